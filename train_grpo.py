@@ -1,0 +1,850 @@
+"""GRPO fine-tuning of Qwen2.5-VL on Geometry3K: one readable torchrun script.
+
+The algorithm, as the default config (configs/geo3k.yaml) runs it:
+ 1. Each step takes `data.rollout_batch_size` prompts (split evenly over ranks; a prompt's group stays on one rank).
+ 2. Rollout: `rollout.n` answers per prompt at temperature 1.0, top_p 1.0; vision special tokens are never sampled.
+ 3. Reward: 0.9 * accuracy (last \\boxed{} graded equal to the answer) + 0.1 * format (<think>...</think> ... \\boxed{}),
+    every grading call bounded in time (reward.py).
+ 4. Advantage: GRPO, (score - group mean) / (group std + 1e-6), the same for every token of a response.
+ 5. Loss: PPO clipped ratio with clip 0.2 low / 0.3 high and dual clip 3.0 for negative advantages,
+    plus 1e-2 x low-variance KL (k3) to the frozen initial policy, as a loss term.
+ 6. Aggregation: token-mean over ALL response tokens of an optimizer step, exact across micro-batches and ranks.
+ 7. Update: AdamW (lr 1e-6, wd 1e-2), grad clip 1.0, a step with a non-finite grad norm is skipped and counted;
+    `actor.global_batch_size` prompts per optimizer step (rollout batch 512 -> 4 optimizer steps per step).
+ 8. Old log-probs are recomputed by the trainer once per rollout batch (skipped when a single on-policy
+    update makes them equal to the detached current ones).
+ 9. Validation before training and every `trainer.val_freq` steps at temperature 0.6 / top_p 0.95, n=1.
+
+Launch:
+    torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
+    torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml                    # the CPU demo
+    torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml trainer.max_steps=5 rollout.n=4   # overrides
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import rollout
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Config: one dataclass tree, two levels deep. YAML holds overrides, CLI `section.key=value` beats YAML beats defaults.
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "hiyouga/geometry3k@train"  # HF `name@split`, or a local parquet/jsonl/json file or directory
+    val_files: str = "hiyouga/geometry3k@test"  # same forms; "" disables validation
+    prompt_key: str = "problem"  # column with the question text and its <image> marks
+    answer_key: str = "answer"  # column with the ground truth
+    image_key: str = "images"  # column with a list of images ({bytes, path}, path string or PIL)
+    format_prompt: str = "configs/format_prompt/geo3k.jinja"  # jinja template around the problem; "" for none
+    system_prompt: str = ""  # "" keeps Qwen's default system prompt
+    max_prompt_length: int = 2048  # tokens after image expansion
+    max_response_length: int = 2048  # max new tokens per answer
+    filter_overlong_prompts: bool = True  # drop (and count) prompts longer than max_prompt_length
+    min_pixels: int = 262144  # images are resized into [min_pixels, max_pixels], in trainer and rollout alike
+    max_pixels: int = 4194304
+    rollout_batch_size: int = 512  # prompts per step, over all ranks
+    val_batch_size: int = 64  # prompts per validation generate call, per rank
+    val_max_samples: int = 0  # 0 = the whole validation set
+    shuffle: bool = True  # reshuffle the train set every epoch (seeded by trainer.seed and the epoch)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # see ADVANTAGE_ESTIMATORS
+    kl_coef: float = 1e-2  # weight of the KL loss term; 0 skips the reference model entirely
+    kl_penalty: str = "low_var_kl"  # see KL_PENALTIES: k1, k2, low_var_kl
+    adv_eps: float = 1e-6  # added to the group std
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = "Qwen/Qwen2.5-VL-7B-Instruct"  # HF hub name or local directory
+    global_batch_size: int = 128  # prompts per optimizer step (divides data.rollout_batch_size)
+    micro_batch_size: int = 4  # sequences per forward/backward per rank (gradient accumulation fills the rest)
+    micro_batch_size_no_grad: int = 16  # sequences per forward for old/ref log-probs
+    ppo_epochs: int = 1  # passes over each rollout batch
+    lr: float = 1e-6
+    weight_decay: float = 1e-2
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0  # linear warmup over this many optimizer steps, then constant
+    max_grad_norm: float = 1.0
+    clip_ratio_low: float = 0.2  # PPO clip: ratio kept in [1 - low, 1 + high]
+    clip_ratio_high: float = 0.3
+    clip_ratio_dual: float = 3.0  # dual clip for negative advantages (https://arxiv.org/abs/1912.09729)
+    loss_agg_mode: str = "token-mean"  # see LOSS_AGGREGATIONS
+    gradient_checkpointing: bool = True
+    freeze_vision_tower: bool = False
+    ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
+    attn_implementation: str = "auto"  # auto = flash_attention_2 on CUDA, sdpa elsewhere
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"  # see rollout.ENGINES: hf samples with the training model itself
+    n: int = 5  # answers per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    val_temperature: float = 0.6  # 0 = greedy
+    val_top_p: float = 0.95
+    val_n: int = 1
+
+
+@dataclass
+class RewardConfig:
+    reward_fn: str = "reward.py:compute_score"  # path/to/file.py:function returning {"overall", ...}
+    timeout: float = 10.0  # seconds per graded answer; a hang or crash scores 0 and is counted
+    num_workers: int = 2  # grading processes per rank
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/geo3k"
+    total_epochs: int = 15
+    max_steps: int = 0  # stop after this many steps (a step = one rollout batch and its update); 0 = from epochs
+    val_freq: int = 5  # validate every this many steps; 0 = never
+    val_before_train: bool = True
+    save_freq: int = 5  # checkpoint every this many steps; 0 = never
+    save_limit: int = 3  # keep the newest N checkpoints
+    resume: str = "auto"  # auto | none | PATH
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl (jsonl is always on)
+    seed: int = 1
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(value, typ, key):
+    """Check a YAML/CLI value against a dataclass field type; return it converted where the conversion is lossless."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list like [a,b], got {value!r}")
+        (item_type,) = typing.get_args(typ)
+        return [_coerce(v, item_type, key) for v in value]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads `1e-6` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if value is None:
+            return ""
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _apply(cfg: Config, section: str, key: str, value):
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r}; valid: {', '.join(sections)}")
+    sub = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sub))
+    if key not in hints:
+        raise ConfigError(f"unknown config key {section}.{key}; valid keys of {section}: {', '.join(hints)}")
+    setattr(sub, key, _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file, then `section.key=value` overrides. Fails on unknown keys and wrong types."""
+    import yaml
+
+    cfg = Config()
+    if path:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections")
+        for section, values in tree.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: section {section!r} must be a mapping")
+            for key, value in values.items():
+                _apply(cfg, section, key, value)
+    for item in overrides:
+        dotted, sep, raw = item.partition("=")
+        if not sep or dotted.count(".") != 1:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        section, key = dotted.split(".")
+        _apply(cfg, section, key, yaml.safe_load(raw) if raw else "")
+    return cfg
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Reject choices that cannot work before any model loads, naming the numbers to change."""
+    d, a, r = cfg.data, cfg.actor, cfg.rollout
+    if cfg.algorithm.adv_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}; valid: {list(ADVANTAGE_ESTIMATORS)}"
+        )
+    if cfg.algorithm.kl_penalty not in KL_PENALTIES:
+        raise ConfigError(f"algorithm.kl_penalty={cfg.algorithm.kl_penalty!r}; valid: {list(KL_PENALTIES)}")
+    if a.loss_agg_mode not in LOSS_AGGREGATIONS:
+        raise ConfigError(f"actor.loss_agg_mode={a.loss_agg_mode!r}; valid: {list(LOSS_AGGREGATIONS)}")
+    unknown_loggers = set(cfg.trainer.logger) - {"console", "jsonl"}
+    if unknown_loggers:
+        raise ConfigError(f"trainer.logger: unknown {sorted(unknown_loggers)}; valid: console, jsonl")
+    positive = {
+        "data.rollout_batch_size": d.rollout_batch_size,
+        "actor.global_batch_size": a.global_batch_size,
+        "actor.micro_batch_size": a.micro_batch_size,
+        "rollout.n": r.n,
+        "actor.ppo_epochs": a.ppo_epochs,
+        "actor.micro_batch_size_no_grad": a.micro_batch_size_no_grad,
+        "rollout.val_n": r.val_n,
+        "data.max_response_length": d.max_response_length,
+        "data.val_batch_size": d.val_batch_size,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    if d.rollout_batch_size % world_size:
+        raise ConfigError(
+            f"data.rollout_batch_size={d.rollout_batch_size} prompts must split evenly over "
+            f"{world_size} ranks: make it a multiple of {world_size}"
+        )
+    if d.rollout_batch_size % a.global_batch_size:
+        raise ConfigError(
+            f"actor.global_batch_size={a.global_batch_size} must divide data.rollout_batch_size={d.rollout_batch_size}"
+        )
+    if a.global_batch_size % world_size:
+        raise ConfigError(
+            f"actor.global_batch_size={a.global_batch_size} prompts must split evenly over "
+            f"{world_size} ranks: make it a multiple of {world_size}"
+        )
+    seqs_per_rank = a.global_batch_size // world_size * r.n
+    if seqs_per_rank % a.micro_batch_size:
+        raise ConfigError(
+            f"each rank gets actor.global_batch_size/world_size x rollout.n = "
+            f"{a.global_batch_size}/{world_size} x {r.n} = {seqs_per_rank} sequences per optimizer "
+            f"step, which actor.micro_batch_size={a.micro_batch_size} must divide"
+        )
+    if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The math: pure functions on tensors. Response tensors are (B, T): B sequences, T response positions, `mask` marks
+# real (non-padding) response tokens.
+
+
+def _grpo_advantages(scores, group_size, eps):
+    groups = scores.view(-1, group_size)  # (G, n)
+    if group_size == 1:  # a lone sample has no group to compare with: no signal, and never NaN
+        return torch.zeros_like(scores)
+    mean = groups.mean(dim=1, keepdim=True)  # (G, 1)
+    std = groups.std(dim=1, keepdim=True)  # (G, 1), unbiased
+    return ((groups - mean) / (std + eps)).view(-1)  # (N,)
+
+
+ADVANTAGE_ESTIMATORS = {"grpo": _grpo_advantages}
+
+
+def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6):
+    """scores (N,), consecutive groups of `group_size` samples of one prompt -> advantages (N,)."""
+    if scores.numel() % group_size:
+        raise ValueError(f"{scores.numel()} scores do not form groups of {group_size}")
+    return ADVANTAGE_ESTIMATORS[estimator](scores.float(), group_size, eps)
+
+
+def _low_var_kl(logp, ref_logp):
+    # k3 estimator, unbiased and always >= 0 (http://joschu.net/blog/kl-approx.html); clamps keep exp() finite
+    x = (ref_logp - logp).clamp(-20, 20)  # (B, T)
+    return (x.exp() - x - 1).clamp(-10, 10)
+
+
+KL_PENALTIES = {
+    "k1": lambda logp, ref_logp: logp - ref_logp,
+    "k2": lambda logp, ref_logp: 0.5 * (ref_logp - logp).square(),
+    "low_var_kl": _low_var_kl,
+}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Elementwise estimate of KL(policy || reference) from the log-probs of the sampled tokens."""
+    return KL_PENALTIES[kind](logp, ref_logp)
+
+
+def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0):
+    """PPO clipped surrogate with dual clip. logp, old_logp (B, T); advantages broadcastable to (B, T).
+
+    Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
+    """
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, T)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # (B, T)
+    loss = torch.maximum(unclipped, clipped)  # (B, T)
+    dual = torch.minimum(loss, -advantages * clip_dual)  # bounds the loss of A < 0 tokens whose ratio exploded
+    is_dual = (advantages < 0) & (loss > -advantages * clip_dual)
+    loss = torch.where(advantages < 0, dual, loss)
+    return loss, (clipped > unclipped) | is_dual
+
+
+def _token_mean(loss, mask, num_tokens, num_seqs):
+    return (loss * mask).sum() / num_tokens
+
+
+def _seq_mean_token_mean(loss, mask, num_tokens, num_seqs):
+    per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return per_seq.sum() / num_seqs
+
+
+def _seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs):
+    # Dr. GRPO (https://arxiv.org/abs/2503.20783): a constant length normaliser, here the padded horizon T
+    per_seq = (loss * mask).sum(-1) / loss.shape[-1]  # (B,)
+    return per_seq.sum() / num_seqs
+
+
+LOSS_AGGREGATIONS = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None):
+    """(B, T) loss and mask -> scalar.
+
+    With `num_tokens`/`num_seqs` left None this is the mean over this batch. Passing the totals of the whole
+    optimizer step (over all micro-batches and ranks) makes each micro-batch's value its share of the full-batch
+    mean, so the shares sum exactly to it under gradient accumulation and data parallelism.
+    """
+    mask = mask.to(loss.dtype)
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32."""
+    logits = logits.float() / temperature  # (B, T, V)
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logits = logits.float() / temperature  # (B, T, V)
+    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Forward passes. Batches come from rollout.collate: [left-padded prompt | right-padded response] per row.
+
+
+def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False):
+    """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked."""
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in batch_inputs.items()}
+    t_len = response_ids.shape[1]
+    logits = model(**inputs, use_cache=False, logits_to_keep=t_len + 1).logits[:, :-1]  # (B, T, V)
+    logp = token_logprobs(logits, response_ids.to(device), temperature)  # (B, T)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(logits, temperature)  # (B, T)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup: distributed, models, optimizer, logging.
+
+
+def setup_distributed():
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    local_rank = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def load_model(path, device, attn_implementation, gradient_checkpointing=False):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    if attn_implementation == "auto":
+        attn_implementation = "flash_attention_2" if device.type == "cuda" else "sdpa"
+    # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def apply_fsdp(model, device, offload=False):
+    """FSDP2: the vision tower as one unit, then each decoder layer, then the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if device.type == "cuda":
+        # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    fully_shard(model.model.visual, **kwargs)
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if not offload:
+        model.to(device)
+    return model
+
+
+def root_forward(model, pad_id):
+    """FSDP2 initialises lazily at the first forward of the root; generate() calls model.visual first, which would
+    make the tower its own root ("FSDP state has already been lazily initialized"). One tiny root forward fixes it."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False)
+
+
+class MetricsLogger:
+    """Rank 0 writes one JSON line per step to <output_dir>/metrics.jsonl and one console line; other ranks no-op."""
+
+    console_keys = [
+        ("reward/overall", "reward", ".3f"),
+        ("reward/accuracy", "acc", ".3f"),
+        ("actor/kl", "kl", ".1e"),
+        ("actor/grad_norm", "gnorm", ".2f"),
+        ("response_length/mean", "len", ".0f"),
+        ("val/accuracy", "val", ".3f"),
+        ("time/rollout", "gen", ".1f"),
+        ("time/train", "train", ".1f"),
+    ]
+
+    def __init__(self, output_dir, total_steps, loggers, enabled):
+        self.enabled, self.total_steps, self.console = enabled, total_steps, "console" in loggers
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
+
+    def log(self, step, metrics):
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        if self.console:
+            parts = [f"step {step}/{self.total_steps}"]
+            for key, name, fmt in self.console_keys:
+                if key in metrics:
+                    unit = "s" if key.startswith("time/") else ""
+                    parts.append(f"{name} {metrics[key]:{fmt}}{unit}")
+            print(" | ".join(parts), flush=True)
+
+
+def mean_over_ranks(sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+    """Global means of per-rank (sum, count) pairs; every rank must call it (one all_reduce)."""
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys] + [counts[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: (t[i] / t[len(keys) + i]).item() if t[len(keys) + i] > 0 else 0.0 for i, k in enumerate(keys)}
+
+
+def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
+def resolve_path(path: str) -> str:
+    """Relative paths in a config are looked up from the working directory, then from this repository."""
+    if not path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return here if os.path.exists(here) else path
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Phases of a step, each a named function so the loop in main() reads top to bottom.
+
+
+def score_samples(scorer, samples, examples):
+    """Reward every sample; returns the overall scores (N,) and per-key lists for logging."""
+    results = scorer.score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples])
+    scores = torch.tensor([r["overall"] for r in results], dtype=torch.float32)
+    return scores, results
+
+
+def compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old):
+    """No-grad forwards over the rollout batch: log-probs under the policy that sampled (old) and the reference."""
+    old, ref = [], []
+    with torch.no_grad():
+        for batch_inputs, response_ids, _ in micro_batches:
+            if need_old:
+                old.append(forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
+            if ref_model is not None:
+                ref.append(forward_logprobs(ref_model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
+    return old, ref
+
+
+def build_micro_batches(prompts, samples, size, pad_id, image_token_id):
+    out = []
+    for i in range(0, len(samples), size):
+        chunk = samples[i : i + size]
+        batch_inputs, response_ids, mask = rollout.collate(
+            [prompts[s.prompt_index] for s in chunk], [s.response_ids for s in chunk], pad_id, image_token_id
+        )
+        out.append((batch_inputs, response_ids, mask))
+    return out
+
+
+def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
+    """One pass of PPO updates over the rollout batch: mini-batches of `global_batch_size` prompts, each an
+    optimizer step accumulated over micro-batches. `old_logps`/`ref_logps` are per-sample lists (None if unused)."""
+    a, world = cfg.actor, dist.get_world_size()
+    seqs_per_step = a.global_batch_size // world * cfg.rollout.n
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = next(model.parameters()).device
+    for start in range(0, len(samples), seqs_per_step):
+        chunk = range(start, start + seqs_per_step)
+        # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
+        # full-batch mean (every rank reaches this all_reduce once per optimizer step).
+        totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in chunk)), float(len(chunk))])
+        dist.all_reduce(totals)
+        num_tokens, num_seqs = totals[0].item(), totals[1].item()
+        for mb_start in range(start, start + seqs_per_step, a.micro_batch_size):
+            mb = list(range(mb_start, mb_start + a.micro_batch_size))
+            batch_inputs, response_ids, mask = rollout.collate(
+                [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb], *ids
+            )
+            mask = mask.to(device)
+            t_len = mask.shape[1]
+            logp, entropy = forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature, True)
+            old = _stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
+            adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
+            pg, clipped = policy_loss(logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual)
+            loss = aggregate_loss(pg, mask, a.loss_agg_mode, num_tokens, num_seqs)
+            if ref_logps:
+                kl = kl_penalty(
+                    logp, _stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty
+                )
+                kl_term = aggregate_loss(kl, mask, a.loss_agg_mode, num_tokens, num_seqs)
+                loss = loss + cfg.algorithm.kl_coef * kl_term
+                stats["actor/kl"] += kl_term.item()
+            # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
+            (loss * world).backward()
+            stats["actor/pg_loss"] += aggregate_loss(pg, mask, a.loss_agg_mode, num_tokens, num_seqs).item()
+            stats["actor/entropy"] += ((entropy * mask).sum() / num_tokens).item()
+            stats["actor/clip_frac"] += ((clipped.float() * mask).sum() / num_tokens).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+        else:  # the norm is global, so every rank skips together
+            stats["actor/skipped_steps"] += 1
+        optimizer.zero_grad(set_to_none=True)
+        stats["actor/grad_norm"] = grad_norm.item()
+        stats["actor/optimizer_steps"] += 1
+
+
+def _stack_padded(rows, t_len, device):
+    out = torch.zeros(len(rows), t_len, device=device)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row.to(device)
+    return out
+
+
+def split_per_sample(tensors, masks):
+    """Per-micro-batch (B, T) tensors -> one 1-D tensor per sample, trimmed to its response length."""
+    return [t[i, : int(m[i].sum())].cpu() for t, m in zip(tensors, masks) for i in range(t.shape[0])]
+
+
+def validate(engine, val_set, processor, scorer, cfg, rank, world):
+    """Accuracy on the validation set; each rank generates for a strided share of it."""
+    mine = list(range(rank, len(val_set), world))
+    per_rank = math.ceil(len(val_set) / world)
+    bs = cfg.data.val_batch_size
+    r = cfg.rollout
+    params = rollout.SamplingParams(r.val_temperature, r.val_top_p, cfg.data.max_response_length)
+    sums = dict.fromkeys(["val/accuracy", "val/overall", "val/format", "val/response_length"], 0.0)
+    count = 0
+    for start in range(0, per_rank, bs):
+        # Every rank makes the same number of generate calls with the same batch size (the HF engine's forwards are
+        # collective): a rank whose share ran out repeats its last prompt and does not count the repeats.
+        real = mine[start : start + bs]
+        filler = mine[-1:] if mine else [0]
+        batch = real + filler * (min(bs, per_rank - start) - len(real))
+        examples = [val_set[i] for i in batch]
+        prompts = [rollout.encode_prompt(processor, ex) for ex in examples]
+        samples = engine.generate(prompts, r.val_n, params, seed=cfg.trainer.seed + 7919 * (rank + 1))
+        results = scorer.score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples])
+        for s, res in zip(samples, results):
+            if s.prompt_index < len(real):
+                sums["val/accuracy"] += res.get("accuracy", 0.0)
+                sums["val/overall"] += res["overall"]
+                sums["val/format"] += res.get("format", 0.0)
+                sums["val/response_length"] += len(s.response_ids)
+                count += 1
+    return mean_over_ranks(sums, dict.fromkeys(sums, count))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print(__doc__)
+        return 2
+    cfg_path, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
+    try:
+        cfg = load_config(cfg_path, overrides)
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        check_config(cfg, world)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    rank, world, device = setup_distributed()
+    torch.manual_seed(cfg.trainer.seed)
+    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(cfg.trainer.output_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(cfg), f, indent=2)
+    print0(f"config: {json.dumps(config_to_dict(cfg))}")
+    print0(f"world size {world} on {device.type}; torch {torch.__version__}")
+
+    # -------------------------------------------------------------------------------- data, reward, models, engine
+    from transformers import AutoProcessor
+
+    from data import PromptDataset, ShardSampler
+    from reward import RewardScorer
+
+    d = cfg.data
+    processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
+    # the trainer's image bounds are the processor's (and, in issue 3, vLLM's), so image token counts agree
+    processor.image_processor.min_pixels, processor.image_processor.max_pixels = d.min_pixels, d.max_pixels
+    if hasattr(processor.image_processor, "size"):
+        processor.image_processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
+    dataset_kwargs = dict(
+        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
+        format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
+        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+    )  # fmt: skip
+    train_set = PromptDataset(d.train_files, processor, **dataset_kwargs)
+    print0(
+        f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, "
+        f"{train_set.n_overlong} longer than {d.max_prompt_length} tokens dropped)"
+    )
+    val_set = None
+    if d.val_files:
+        val_set = PromptDataset(d.val_files, processor, **dataset_kwargs)
+        if d.val_max_samples:
+            val_set = torch.utils.data.Subset(val_set, range(min(d.val_max_samples, len(val_set))))
+        print0(f"val: {len(val_set)} prompts")
+
+    prompts_per_rank = d.rollout_batch_size // world
+    sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
+    steps_per_epoch = len(sampler.indices(0)) // prompts_per_rank
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"{len(train_set)} train prompts are fewer than one rollout batch "
+            f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data"
+        )
+    total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
+    print0(f"{steps_per_epoch} steps per epoch, {total_steps} steps in all")
+
+    fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
+    scorer = RewardScorer(
+        f"{resolve_path(fn_path)}:{fn_name}", timeout=cfg.reward.timeout, num_workers=cfg.reward.num_workers
+    )
+
+    a = cfg.actor
+    model = load_model(a.model_path, device, a.attn_implementation, a.gradient_checkpointing)
+    if a.freeze_vision_tower:
+        model.model.visual.requires_grad_(False)
+    apply_fsdp(model, device)
+    ref_model = None
+    if cfg.algorithm.kl_coef > 0:
+        ref_model = load_model(a.model_path, device, a.attn_implementation).requires_grad_(False).eval()
+        apply_fsdp(ref_model, device, offload=a.ref_offload)
+    tokenizer = processor.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    image_token_id = model.config.image_token_id
+    ids = (pad_id, image_token_id)
+    root_forward(model, pad_id)
+    if ref_model is not None:
+        root_forward(ref_model, pad_id)
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
+    engine = rollout.make_engine(cfg, model, processor)
+    logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0)
+    r = cfg.rollout
+    train_params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
+    # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
+    need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size
+
+    step, epoch, position = 0, 0, 0
+    if val_set is not None and cfg.trainer.val_before_train:
+        logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world))
+
+    while step < total_steps:
+        step += 1
+        t_step = time.perf_counter()
+        timings = {}
+        model.eval()
+
+        # ---------------------------------------------------------------------------------------------- rollout
+        shard = sampler.indices(epoch)
+        if position + prompts_per_rank > len(shard):
+            epoch, position = epoch + 1, 0
+            shard = sampler.indices(epoch)
+        examples = [train_set[i] for i in shard[position : position + prompts_per_rank]]
+        position += prompts_per_rank
+        prompts = [rollout.encode_prompt(processor, ex) for ex in examples]
+        t0 = time.perf_counter()
+        engine.wake()
+        engine.sync_weights(model)
+        seed = cfg.trainer.seed * 1_000_003 + step * world + rank  # a distinct, reproducible stream per step and rank
+        samples = engine.generate(prompts, r.n, train_params, seed=seed)
+        engine.sleep()
+        timings["time/rollout"] = time.perf_counter() - t0
+
+        # ----------------------------------------------------------------------------------------------- reward
+        t0 = time.perf_counter()
+        scores, results = score_samples(scorer, samples, examples)
+        timings["time/reward"] = time.perf_counter() - t0
+
+        # -------------------------------------------------------------------------------------------- advantage
+        advantages = compute_advantages(scores, r.n, cfg.algorithm.adv_estimator, cfg.algorithm.adv_eps)  # (N,)
+
+        # ------------------------------------------------------------------------------------ old/ref log-probs
+        t0 = time.perf_counter()
+        micro_batches = build_micro_batches(prompts, samples, a.micro_batch_size_no_grad, *ids)
+        old, ref = compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old)
+        masks = [mb[2] for mb in micro_batches]
+        old_logps = split_per_sample(old, masks) if need_old else None
+        ref_logps = split_per_sample(ref, masks) if ref_model is not None else None
+        timings["time/logprobs"] = time.perf_counter() - t0
+
+        # ---------------------------------------------------------------------------------------- policy update
+        t0 = time.perf_counter()
+        model.train()
+        stats = dict.fromkeys(
+            [
+                "actor/pg_loss",
+                "actor/kl",
+                "actor/entropy",
+                "actor/clip_frac",
+                "actor/skipped_steps",
+                "actor/optimizer_steps",
+            ],
+            0.0,
+        )
+        for _ in range(a.ppo_epochs):
+            update_policy(
+                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats
+            )
+        timings["time/train"] = time.perf_counter() - t0
+
+        # ------------------------------------------------------------------------------------------------- log
+        n_updates = stats["actor/optimizer_steps"]
+        lengths = [len(s.response_ids) for s in samples]
+        n = len(samples)
+        sums = {
+            "reward/overall": scores.sum().item(),
+            "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
+            "reward/format": sum(x.get("format", 0.0) for x in results),
+            "response_length/mean": float(sum(lengths)),
+            "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
+        }
+        metrics = mean_over_ranks(sums, dict.fromkeys(sums, n))
+        # pg_loss, kl, entropy and clip_frac are already global shares on each rank: sum them over ranks
+        shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
+        metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
+        metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
+        tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
+        metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
+        metrics.update(
+            {
+                "epoch": epoch,
+                "actor/grad_norm": stats["actor/grad_norm"],
+                "actor/lr": scheduler.get_last_lr()[0],
+                "actor/skipped_steps": stats["actor/skipped_steps"],
+                "reward/timeouts": scorer.n_timeouts,
+                "reward/errors": scorer.n_errors,
+            }
+        )
+        timings["time/step"] = time.perf_counter() - t_step
+        metrics.update(max_over_ranks(timings))
+        metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
+
+        # --------------------------------------------------------------------------------------------- validate
+        if (
+            val_set is not None
+            and cfg.trainer.val_freq > 0
+            and (step % cfg.trainer.val_freq == 0 or step == total_steps)
+        ):
+            model.eval()
+            metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world))
+        logger.log(step, metrics)
+
+    scorer.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
