@@ -126,7 +126,7 @@ class HFEngine:
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
-            top_k=None,
+            top_k=0,  # 0 disables it; None would fall back to the library default of 50
             max_new_tokens=params.max_tokens,
             num_return_sequences=n,
             eos_token_id=sorted(self.eos_ids),

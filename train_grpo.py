@@ -3,7 +3,7 @@
 The algorithm, as the default config (configs/geo3k.yaml) runs it:
  1. Each step takes `data.rollout_batch_size` prompts (split evenly over ranks; a prompt's group stays on one rank).
  2. Rollout: `rollout.n` answers per prompt at temperature 1.0, top_p 1.0; vision special tokens are never sampled.
- 3. Reward: 0.9 * accuracy (last \\boxed{} graded equal to the answer) + 0.1 * format (<think>...</think> ... \\boxed{}),
+ 3. Reward: 0.9 * accuracy (last \\boxed{} graded equal to the answer) + 0.1 * format (<think>..</think>..\\boxed{}),
     every grading call bounded in time (reward.py).
  4. Advantage: GRPO, (score - group mean) / (group std + 1e-6), the same for every token of a response.
  5. Loss: PPO clipped ratio with clip 0.2 low / 0.3 high and dual clip 3.0 for negative advantages,
@@ -453,6 +453,7 @@ def root_forward(model, pad_id):
     device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False)
+    model.reshard()
 
 
 class MetricsLogger:
@@ -502,6 +503,18 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def save_hf(model, processor, out_dir):
+    """Write a Hugging Face model directory (safetensors in the checkpoint's own naming, plus the processor) that
+    from_pretrained and vLLM load as is. Every rank must call it: gathering the full weights is collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(out_dir, state_dict=state)
+        processor.save_pretrained(out_dir)
+    dist.barrier()
+
+
 def resolve_path(path: str) -> str:
     """Relative paths in a config are looked up from the working directory, then from this repository."""
     if not path or os.path.isabs(path) or os.path.exists(path):
@@ -530,7 +543,17 @@ def compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old)
                 old.append(forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
             if ref_model is not None:
                 ref.append(forward_logprobs(ref_model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
+    reshard(model, ref_model)
     return old, ref
+
+
+def reshard(*models):
+    """FSDP2 keeps the root module's parameters unsharded after a forward that has no backward (generate, no-grad
+    log-probs). Until resharded, `model.parameters()` yields those temporary full tensors, not the DTensor shards the
+    optimizer owns: an optimizer built then would update copies that the next all-gather throws away."""
+    for m in models:
+        if m is not None:
+            m.reshard()
 
 
 def build_micro_batches(prompts, samples, size, pad_id, image_token_id):
@@ -549,7 +572,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     optimizer step accumulated over micro-batches. `old_logps`/`ref_logps` are per-sample lists (None if unused)."""
     a, world = cfg.actor, dist.get_world_size()
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     device = next(model.parameters()).device
     for start in range(0, len(samples), seqs_per_step):
         chunk = range(start, start + seqs_per_step)
@@ -669,10 +692,7 @@ def main(argv=None):
 
     d = cfg.data
     processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
-    # the trainer's image bounds are the processor's (and, in issue 3, vLLM's), so image token counts agree
-    processor.image_processor.min_pixels, processor.image_processor.max_pixels = d.min_pixels, d.max_pixels
-    if hasattr(processor.image_processor, "size"):
-        processor.image_processor.size = {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}
+    # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
     dataset_kwargs = dict(
         prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
         format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
@@ -738,6 +758,7 @@ def main(argv=None):
     step, epoch, position = 0, 0, 0
     if val_set is not None and cfg.trainer.val_before_train:
         logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world))
+        reshard(model)
 
     while step < total_steps:
         step += 1
@@ -759,6 +780,7 @@ def main(argv=None):
         seed = cfg.trainer.seed * 1_000_003 + step * world + rank  # a distinct, reproducible stream per step and rank
         samples = engine.generate(prompts, r.n, train_params, seed=seed)
         engine.sleep()
+        reshard(model)
         timings["time/rollout"] = time.perf_counter() - t0
 
         # ----------------------------------------------------------------------------------------------- reward
@@ -838,8 +860,11 @@ def main(argv=None):
         ):
             model.eval()
             metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world))
+            reshard(model)
         logger.log(step, metrics)
 
+    save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))
+    print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     dist.barrier()
     dist.destroy_process_group()

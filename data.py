@@ -1,0 +1,407 @@
+"""The data path: rows on disk or on the hub -> validated prompts with images -> per-rank shards.
+
+    rows, name = load_rows("data/geo3k/train.parquet")          # or "hiyouga/geometry3k@train"
+    ds = PromptDataset("data/geo3k", processor, format_prompt="configs/format_prompt/geo3k.jinja")
+    ex = ds[0]        # Example: problem, answer, RGB images, chat messages, prompt text, source, token count
+    for i in ShardSampler(len(ds), rank, world_size).indices(epoch): ...
+
+Data specs. `name@split` that is not a local path is a hub dataset (`datasets.load_dataset(name, split=split)`).
+Anything else is local: a `.parquet`, `.jsonl` or `.json` file (a JSON list of rows, or JSON lines), or a directory
+whose such files are read in sorted order (not recursively). On a directory, `@split` keeps only the files whose
+name starts with the split (the hub layout `train-00000-of-00001.parquet`), so a local copy of a hub dataset
+answers to the same spec; on a single file `@split` is an error rather than silently ignored.
+
+Rows. `problem` is text with one `<image>` mark per image (a problem with no mark but N images gets N marks
+prepended, as EasyR1 does; any other mismatch is a bad row). `answer` is any non-empty value, kept as a string.
+`images` is a list (or one) of `{"bytes", "path"}` structs (bytes preferred; a relative path is relative to the
+data file's directory), path strings, raw bytes or PIL images; a missing `images` field means a text-only row.
+A bad row (missing or empty field, mark/image mismatch, an image that does not decode) is skipped with a warning
+naming file and row; only when no row survives is it an error.
+
+Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
+decoded again in `__getitem__`, so eight ranks do not each hold every decoded image. They are converted to RGB
+(alpha composited on white, 16-bit grey scaled to 8 bits) and scaled into [min_pixels, max_pixels].
+
+The processor. `PromptDataset` sets the processor's image pixel range to its own (`set_pixel_range`), because the
+trainer's forward pass must expand each image to exactly the token count computed here; give vLLM the same values
+in `mm_processor_kwargs`.
+"""
+
+import dataclasses
+import io
+import json
+import math
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import pyarrow.parquet as pq
+from PIL import Image
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+IMAGE_MARK = "<image>"
+# Qwen2.5-VL's vision tower needs each side >= patch 14 x merge 2 = 28 px and rejects aspect ratios >= 200.
+# We pad to ratio 100, well inside the limit, so rounding in our resize and in the processor cannot cross it.
+MIN_SIDE = 28
+MAX_ASPECT_RATIO = 100
+WARNINGS_PER_FILE = 10  # a wrong key name makes every row bad: say so ten times, then count the rest
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """`name@split` -> (name, split). A path that exists as written is never split: file names may contain '@'."""
+    if os.path.exists(spec) or "@" not in spec:
+        return spec, None
+    name, split = spec.rsplit("@", 1)
+    return name, split
+
+
+def local_files(spec: str) -> list[str] | None:
+    """The data files a local spec names, in read order; None when the spec names a hub dataset."""
+    path, split = split_spec(spec)
+    if not os.path.exists(path):
+        if split is None:
+            raise FileNotFoundError(f"data path {spec!r} does not exist (a hub dataset is written name@split)")
+        return None
+    if os.path.isdir(path):
+        names = sorted(n for n in os.listdir(path) if n.endswith(DATA_SUFFIXES) and n.startswith(split or ""))
+        if not names:
+            wanted = f"starting with {split!r} " if split else ""
+            raise FileNotFoundError(f"no {'/'.join(DATA_SUFFIXES)} files {wanted}in directory {path!r}")
+        return [os.path.join(path, n) for n in names]
+    if split is not None:
+        raise ValueError(f"data spec {spec!r}: @split selects a hub split or files in a directory, not part of a file")
+    if not path.endswith(DATA_SUFFIXES):
+        raise ValueError(f"data file {path!r} is not one of {DATA_SUFFIXES}")
+    return [path]
+
+
+def read_json(path: str) -> list[dict]:
+    """A JSON list of rows, or JSON lines (`datasets.Dataset.to_json` writes lines even into `.json` files)."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        try:
+            rows = json.loads(text)
+            return rows if isinstance(rows, list) else [rows]
+        except json.JSONDecodeError:
+            pass  # several JSON values: JSON lines
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def read_file(path: str) -> list[dict]:
+    if path.endswith(".parquet"):
+        return pq.read_table(path).to_pylist()
+    return read_json(path)
+
+
+def read_hub(name: str, split: str) -> list[dict]:
+    import datasets  # slow import, and only this path needs it
+
+    ds = datasets.load_dataset(name, split=split)
+    # The arrow view keeps image columns as raw {bytes, path} structs instead of decoding every image up front.
+    return ds.with_format("arrow")[:].to_pylist()
+
+
+def load_rows(spec: str) -> tuple[list[dict], str]:
+    """Rows of a data spec (see the module docstring) as plain dicts, and the spec as a display name."""
+    files = local_files(spec)
+    if files is None:
+        return read_hub(*split_spec(spec)), spec
+    return [row for f in files for row in read_file(f)], spec
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Images
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def image_source(value, base_dir: str | None) -> bytes | str | Image.Image:
+    """What to decode an image from: bytes, a path (resolved against the data file's directory), or a PIL image."""
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return value["bytes"]
+        value = value.get("path")
+        if not value:
+            raise ValueError("image struct has neither bytes nor path")
+    if isinstance(value, (bytes, Image.Image)):
+        return value
+    if isinstance(value, str):
+        return value if os.path.isabs(value) or base_dir is None else os.path.join(base_dir, value)
+    raise ValueError(f"cannot read an image from {type(value).__name__}")
+
+
+def open_image(source: bytes | str | Image.Image) -> Image.Image:
+    """Decode fully (`load`), so truncated data fails here and file handles are released."""
+    if isinstance(source, Image.Image):
+        return source
+    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+    img.load()
+    return img
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode.startswith("I"):  # 16/32-bit grey: convert("RGB") would clip everything above 255 to white
+        img = img.convert("I").point(lambda v: v / 257).convert("L")
+    if img.has_transparency_data:  # transparent backgrounds would turn black; diagrams are drawn on white
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", img.size, "white"), rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def fitted_size(width: int, height: int, min_pixels: int, max_pixels: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(image size, canvas size) that a width x height image becomes in `fit_image`.
+
+    The canvas is the image padded (right/bottom, white) to an aspect ratio Qwen accepts, then scaled by
+    sqrt(budget / area) when its area is outside [min_pixels, max_pixels], then padded to sides >= MIN_SIDE.
+    Images of ordinary shape are only scaled: canvas == image.
+    Rounding goes down when shrinking and up when growing, so the area lands inside the budget.
+    """
+    # An area >= min_pixels at ratio <= min_pixels / MIN_SIDE² has sides >= MIN_SIDE, so the last padding step
+    # only fires for budgets below MIN_SIDE² (where it may overshoot max_pixels by a few rows).
+    max_ratio = max(1.0, min(MAX_ASPECT_RATIO, min_pixels / MIN_SIDE**2))
+    canvas_w = max(width, math.ceil(height / max_ratio))
+    canvas_h = max(height, math.ceil(width / max_ratio))
+    area = canvas_w * canvas_h
+    if area > max_pixels:
+        scale, rnd = math.sqrt(max_pixels / area), math.floor
+    elif area < min_pixels:
+        scale, rnd = math.sqrt(min_pixels / area), math.ceil
+    else:
+        scale, rnd = 1.0, round
+    image = (max(1, rnd(width * scale)), max(1, rnd(height * scale)))
+    canvas = (max(MIN_SIDE, image[0], rnd(canvas_w * scale)), max(MIN_SIDE, image[1], rnd(canvas_h * scale)))
+    return image, canvas
+
+
+def fit_image(img: Image.Image, min_pixels: int, max_pixels: int) -> Image.Image:
+    """RGB, scaled into the pixel budget, padded only when Qwen would reject the shape (see `fitted_size`)."""
+    img = to_rgb(img)
+    size, canvas_size = fitted_size(*img.size, min_pixels, max_pixels)
+    if size != img.size:
+        img = img.resize(size, Image.Resampling.BICUBIC)
+    if canvas_size != size:
+        canvas = Image.new("RGB", canvas_size, "white")
+        canvas.paste(img, (0, 0))
+        img = canvas
+    return img
+
+
+def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
+    """Make the processor resize images with the same budget as the dataset (and as vLLM must)."""
+    size_type = type(processor.image_processor.size)  # transformers' SizeDict; built like this to skip a slow import
+    processor.image_processor.size = size_type(shortest_edge=min_pixels, longest_edge=max_pixels)
+
+
+def image_token_count(image_processor, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+    """Tokens the processor expands one `<|image_pad|>` into for an image fitted from width x height."""
+    _, (w, h) = fitted_size(width, height, min_pixels, max_pixels)
+    budget = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+    patches = image_processor.get_number_of_image_patches(h, w, budget)
+    return patches // image_processor.merge_size**2
+
+
+def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_pixels: int) -> None:
+    """Set each example's `num_prompt_tokens` without running the image processor on pixels: the prompt's text
+    tokens (one <|image_pad|> per image) plus, per image, the tokens that placeholder expands into minus itself."""
+    text_ids = processor.tokenizer([ex.prompt for ex in examples])["input_ids"]
+    for ex, ids, sizes in zip(examples, text_ids, image_sizes, strict=True):
+        pads = [image_token_count(processor.image_processor, w, h, min_pixels, max_pixels) for w, h in sizes]
+        ex.num_prompt_tokens = len(ids) + sum(n - 1 for n in pads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_messages(text: str, system_prompt: str | None = None) -> list[dict]:
+    """One user message whose content alternates text and image parts, split on `<image>`; empty texts dropped."""
+    content = []
+    for i, piece in enumerate(text.split(IMAGE_MARK)):
+        if i > 0:
+            content.append({"type": "image"})
+        if piece:
+            content.append({"type": "text", "text": piece})
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": content}]
+
+
+class BadRow(ValueError):
+    pass
+
+
+def row_text(row: dict, key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        raise BadRow(f"missing {key!r}")
+    text = str(value).strip()
+    if not text:
+        raise BadRow(f"empty {key!r}")
+    return text
+
+
+def row_images(row: dict, key: str) -> list:
+    images = row.get(key)
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def warn_bad_rows(name: str, bad: list[str]) -> None:
+    # stacklevel 4 points at the line that built the dataset
+    for message in bad[:WARNINGS_PER_FILE]:
+        warnings.warn(message, stacklevel=4)
+    if len(bad) > WARNINGS_PER_FILE:
+        warnings.warn(f"{name}: skipped {len(bad) - WARNINGS_PER_FILE} more bad rows", stacklevel=4)
+
+
+@dataclass
+class Example:
+    problem: str  # the row's problem, with `<image>` marks prepended when it had none
+    answer: str
+    images: list[Image.Image]  # RGB, fitted to the pixel budget, one per `<image>` mark
+    messages: list[dict]  # chat messages (images as {"type": "image"} parts)
+    prompt: str  # chat template applied, generation prompt added: one <|image_pad|> per image
+    source: str  # "path/to/file.parquet:17" or "name@split:17"
+    num_prompt_tokens: int  # after the processor expands each <|image_pad|>
+
+
+class PromptDataset:
+    """Validated prompts from one or several data specs; images decoded lazily in `__getitem__`.
+
+    `n_skipped` counts bad rows, `n_overlong` prompts longer than `max_prompt_length` tokens (dropped when
+    `filter_overlong_prompts`). Sets `processor`'s pixel range to [min_pixels, max_pixels] (see module docstring).
+    """
+
+    def __init__(
+        self,
+        files: str | list[str],
+        processor,
+        *,
+        prompt_key: str = "problem",
+        answer_key: str = "answer",
+        image_key: str = "images",
+        format_prompt: str | None = None,
+        system_prompt: str | None = None,
+        min_pixels: int = 262144,
+        max_pixels: int = 4194304,
+        max_prompt_length: int = 2048,
+        filter_overlong_prompts: bool = True,
+    ):
+        specs = [files] if isinstance(files, str) else list(files)
+        self.processor = processor
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        set_pixel_range(processor, min_pixels, max_pixels)
+        self.template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
+        self.prompt_key, self.answer_key, self.image_key = prompt_key, answer_key, image_key
+        self.system_prompt = system_prompt
+
+        examples, self.image_sources, image_sizes = self.read_examples(specs)
+        count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels)
+        keep = [ex.num_prompt_tokens <= max_prompt_length for ex in examples]
+        self.n_overlong = keep.count(False)
+        if filter_overlong_prompts and self.n_overlong:
+            message = f"{', '.join(specs)}: dropped {self.n_overlong} prompts over {max_prompt_length} tokens"
+            warnings.warn(message, stacklevel=2)
+            examples = [ex for ex, k in zip(examples, keep, strict=True) if k]
+            self.image_sources = [s for s, k in zip(self.image_sources, keep, strict=True) if k]
+            if not examples:
+                raise ValueError(f"no prompt in {', '.join(specs)} fits max_prompt_length={max_prompt_length}")
+        self.examples = examples
+
+    def read_examples(self, specs: list[str]) -> tuple[list[Example], list[list], list[list[tuple[int, int]]]]:
+        """Parse every row of every spec; warn about and count the bad ones; raise if none is usable."""
+        examples, image_sources, image_sizes = [], [], []
+        self.n_skipped, first_bad = 0, None
+        for spec in specs:
+            for part in local_files(spec) or [spec]:
+                rows, name = load_rows(part)
+                base_dir = os.path.dirname(part) if os.path.exists(part) else None
+                bad = []
+                for i, row in enumerate(rows):
+                    try:
+                        example, sources, sizes = self.parse_row(row, f"{name}:{i}", base_dir)
+                    except BadRow as e:
+                        bad.append(f"{name}: skipped row {i}: {e}")
+                        continue
+                    examples.append(example)
+                    image_sources.append(sources)
+                    image_sizes.append(sizes)
+                warn_bad_rows(name, bad)
+                self.n_skipped += len(bad)
+                if bad and first_bad is None:
+                    first_bad = f"{bad[0]} (row keys: {sorted(rows[0]) if isinstance(rows[0], dict) else None})"
+        if not examples:
+            raise ValueError(f"no usable rows in {', '.join(specs)}: {first_bad or 'no rows at all'}")
+        return examples, image_sources, image_sizes
+
+    def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, list, list[tuple[int, int]]]:
+        """Check one row; return its Example (images still empty), image sources and original image sizes."""
+        if not isinstance(row, dict):
+            raise BadRow(f"row is a {type(row).__name__}, not an object")
+        problem, answer = row_text(row, self.prompt_key), row_text(row, self.answer_key)
+        images = row_images(row, self.image_key)
+        n_marks = problem.count(IMAGE_MARK)
+        if n_marks == 0 and images:
+            problem = IMAGE_MARK * len(images) + problem
+        elif n_marks != len(images):
+            raise BadRow(f"{n_marks} {IMAGE_MARK} marks but {len(images)} images")
+
+        sources, sizes = [], []
+        for k, value in enumerate(images):
+            try:
+                src = image_source(value, base_dir)
+                sizes.append(open_image(src).size)
+            except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+                raise BadRow(f"image {k} does not decode: {type(e).__name__}: {e}") from e
+            sources.append(src)
+
+        text = self.template.render(content=problem) if self.template else problem
+        messages = build_messages(text, self.system_prompt)
+        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0)
+        return example, sources, sizes
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        images = [fit_image(open_image(s), self.min_pixels, self.max_pixels) for s in self.image_sources[i]]
+        return dataclasses.replace(self.examples[i], images=images)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sharding
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class ShardSampler:
+    """Each epoch, one permutation shared by all ranks; rank r takes the r-th of `world_size` equal slices.
+
+    The remainder (num_examples % world_size) is dropped, and a different one each epoch, so every rank runs the
+    same number of steps: a rank with one batch more would hang in the collectives.
+    """
+
+    def __init__(self, num_examples: int, rank: int, world_size: int, seed: int = 1, shuffle: bool = True):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        if num_examples < world_size:
+            raise ValueError(f"{num_examples} examples cannot be split over {world_size} ranks")
+        self.num_examples, self.rank, self.world_size = num_examples, rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.num_per_rank = num_examples // world_size
+
+    def indices(self, epoch: int) -> list[int]:
+        order = list(range(self.num_examples))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512: the same in every process, and (1, 10) never meets (11, 0).
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        start = self.rank * self.num_per_rank
+        return order[start : start + self.num_per_rank]

@@ -1,0 +1,348 @@
+"""
+Rewards for GRPO on Geometry3K, and a scorer that runs any reward function with a hard time bound.
+
+- compute_score: the geo3k recipe, overall = 0.9 * accuracy + 0.1 * format.
+- digit_fraction: the toy reward of the CPU demo.
+- load_reward_fn: loads a user reward from a "path/to/file.py:function" spec.
+- RewardScorer: grades batches in persistent worker processes and kills any that hang.
+"""
+
+import atexit
+import importlib.util
+import logging
+import multiprocessing as mp
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from math_verify import parse, verify
+from mathruler.grader import grade_answer
+
+REPO_DIR = Path(__file__).resolve().parent
+DEFAULT_SPEC = "reward.py:compute_score"
+BASE_KEYS = ("overall", "format", "accuracy")
+
+# -----------------------------------------------------------------------------
+# the geo3k reward
+
+# The format the recipe asks for. has_format() below accepts exactly the strings this matches.
+FORMAT_REGEX = r"<think>.*</think>.*\\boxed\{.*\}.*"
+PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def has_format(response: str) -> bool:
+    """True if the response fullmatches FORMAT_REGEX (with re.DOTALL) after stripping whitespace.
+
+    Written as a chain of find()s rather than with the regex: the three greedy .* backtrack cubically
+    on degenerate outputs such as "</think>\\boxed{" repeated (0.2 s at 7.5k chars, 28 s at 30k),
+    and RL policies do produce those. Taking the earliest occurrence of each piece is always optimal.
+    """
+    text = response.strip()
+    if not text.startswith("<think>"):
+        return False
+    think_end = text.find("</think>", len("<think>"))
+    if think_end == -1:
+        return False
+    boxed = text.find("\\boxed{", think_end + len("</think>"))
+    return boxed != -1 and text.find("}", boxed + len("\\boxed{")) != -1
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces matched so that \\boxed{\\frac{7}{2}} gives \\frac{7}{2}.
+
+    Returns None if there is no \\boxed{ or the last one is never closed: a truncated answer is no answer.
+    """
+    start = text.rfind("\\boxed{")
+    if start == -1:
+        return None
+    start += len("\\boxed{")
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[start:i].strip()
+            depth -= 1
+    return None
+
+
+def is_equivalent(given: str, ground_truth: str) -> bool:
+    """Grade an extracted answer against the ground truth with maintained graders, not our own.
+
+    mathruler (EasyR1's grader) goes first: it is the one geo3k recipes report numbers with. math_verify
+    (HuggingFace) then rescues styles mathruler rejects: "48°", "48 units", "48\\text{cm}^2", "y = 2\\sqrt{221}",
+    "\\angle A = 48^\\circ". mathruler alone accepts "48 cm^2". Neither accepts any wrong answer in our tests.
+    math_verify's own timeouts use SIGALRM, which only works in the main thread and cannot interrupt a long
+    big-int operation, so they are off: RewardScorer bounds the whole call by killing its worker instead.
+    """
+    if PLAIN_NUMBER.fullmatch(given) and PLAIN_NUMBER.fullmatch(ground_truth.strip()):
+        # Most geo3k answers are plain decimals. Both libraries settle those by exact value too, but only after
+        # ~10 ms of sympy.simplify per wrong answer, and that is most of a 2560-response batch's grading time.
+        return float(given) == float(ground_truth)
+    if grade_answer(given, ground_truth):
+        return True
+    gold = parse(f"${ground_truth}$", parsing_timeout=None)
+    pred = parse(f"${given}$", parsing_timeout=None)
+    return verify(gold, pred, timeout_seconds=None)
+
+
+def compute_score(response: str, ground_truth: str) -> dict[str, float]:
+    """The geo3k recipe: mostly correctness, a little for the <think>...</think> ... \\boxed{} format."""
+    answer = last_boxed(response)
+    accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
+    format_score = float(has_format(response))
+    return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
+
+
+# -----------------------------------------------------------------------------
+# the CPU demo's toy reward
+
+
+def digit_fraction(response: str, ground_truth: str) -> dict[str, float]:
+    """Toy reward for the CPU demo: the fraction of non-whitespace characters that are ASCII digits.
+
+    A tiny random model can learn to emit digits within a few dozen steps, so a rising reward shows the
+    whole GRPO loop works without a real model. ground_truth is ignored. accuracy: at least half digits.
+    """
+    chars = [c for c in response if not c.isspace()]
+    fraction = sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0
+    return {"overall": fraction, "format": 0.0, "accuracy": float(fraction >= 0.5)}
+
+
+# -----------------------------------------------------------------------------
+# user reward functions
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def resolve_spec(spec: str) -> tuple[Path, str]:
+    """Split "path/to/file.py:function" into an absolute path and a function name.
+
+    A relative path is looked up under the cwd first, then under the repo, so the default
+    "reward.py:compute_score" works from any directory.
+    """
+    path_str, sep, name = spec.rpartition(":")
+    if not sep or not path_str.endswith(".py") or not name:
+        raise ValueError(f"reward spec {spec!r} must look like 'path/to/file.py:function'")
+    path = Path(path_str).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = REPO_DIR / path
+    if not path.is_file():
+        raise ValueError(f"reward spec {spec!r}: file {path_str} not found (looked in cwd and {REPO_DIR})")
+    return path.resolve(), name
+
+
+def load_reward_fn(spec: str) -> Callable[[str, str], dict]:
+    """Load the function named by a "path/to/file.py:function" spec; ValueError if it can't be found."""
+    path, name = resolve_spec(spec)
+    module_name = f"reward_fn_{path.stem}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses look up their defining module here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"reward spec {spec!r}: importing {path} failed: {_describe(e)}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward spec {spec!r}: {path} has no function {name!r}")
+    return fn
+
+
+def call_reward(fn: Callable, response: str, ground_truth: str) -> dict[str, float]:
+    """Call a reward function and check its result, so a bad return value is an error here, not in the trainer."""
+    result = fn(response, ground_truth)
+    if not isinstance(result, dict) or "overall" not in result:
+        raise TypeError(f"reward function must return a dict with an 'overall' key, got {result!r:.200}")
+    return {key: float(value) for key, value in result.items()}
+
+
+# -----------------------------------------------------------------------------
+# time-bounded scoring in worker processes
+
+STARTUP_TIMEOUT = 120.0  # seconds for a fresh worker to import its reward function
+
+
+def _worker_main(conn, fn_spec: str) -> None:
+    """Worker loop: load the reward function once, then grade (response, ground_truth) pairs one at a time."""
+    # math_verify warns that its own timeout is off; here the parent is the timeout
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    try:
+        fn = load_reward_fn(fn_spec)
+    except Exception as e:
+        conn.send(("failed", _describe(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            response, ground_truth = conn.recv()
+        except EOFError:  # the parent closed the pipe or died: nothing left to do
+            return
+        try:
+            conn.send(("ok", call_reward(fn, response, ground_truth)))
+        except Exception as e:
+            conn.send(("error", _describe(e)))
+
+
+class _Worker:
+    """One grading process, the pipe to it, and the item it is grading (index, deadline)."""
+
+    def __init__(self, ctx, fn_spec: str):
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child_conn, fn_spec), daemon=True)
+        self.proc.start()
+        child_conn.close()  # keep only the child's copy, so its exit shows up here as EOF
+        self.ready = False
+        self.index = None
+        self.deadline = time.monotonic() + STARTUP_TIMEOUT
+
+    @property
+    def idle(self) -> bool:
+        return self.ready and self.index is None
+
+    def submit(self, index: int, item: tuple[str, str], timeout: float) -> None:
+        self.conn.send(item)
+        self.index = index
+        self.deadline = time.monotonic() + timeout
+
+    def kill(self) -> None:
+        # workers keep no state worth saving, so there is no graceful shutdown to wait for
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+class RewardScorer:
+    """Scores batches with a reward function, each call bounded by `timeout` seconds.
+
+    sympy can hang or eat memory on hostile answers like \\boxed{9^{9^{9}}}, and a signal alarm cannot
+    interrupt one long big-int operation, so the only reliable bound is a process we can kill. Workers are
+    persistent (one pipe round trip per item, not a process per item) and started with 'spawn', because the
+    trainer holds CUDA and torch.distributed threads that a fork would copy in a broken state. A timed-out
+    worker is killed and replaced; its item scores zeros and counts in n_timeouts. An exception in the
+    reward function (or a worker crash) scores zeros and counts in n_errors; last_error says what happened.
+
+    The reward function is named by spec and loaded inside each worker, so it never has to be picklable.
+    With timeout None or 0 the function is called directly in this process: cheap, but unbounded.
+    Like any spawn user, the trainer's main script needs an `if __name__ == "__main__":` guard.
+    """
+
+    def __init__(self, fn_spec: str = DEFAULT_SPEC, timeout: float | None = 5.0, num_workers: int = 1):
+        path, name = resolve_spec(fn_spec)
+        self.fn_spec = f"{path}:{name}"  # absolute, so workers find it whatever their cwd
+        self.fn = load_reward_fn(self.fn_spec)  # fail fast, here, on a bad spec
+        self.timeout = timeout
+        self.num_workers = num_workers
+        self.n_timeouts = 0
+        self.n_errors = 0
+        self.last_error: str | None = None
+        self.keys = list(BASE_KEYS)  # grows with extra keys the reward function returns
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        atexit.register(self.close)
+
+    def score(self, responses: list[str], ground_truths: list[str]) -> list[dict[str, float]]:
+        """One score dict per response; timed-out or failed items get 0.0 for every key."""
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        items = list(zip(responses, ground_truths, strict=True))
+        if not items:
+            return []
+        if self.timeout:
+            results = self._score_in_workers(items)
+        else:
+            results = [self._score_here(response, ground_truth) for response, ground_truth in items]
+        return self._fill_failures(results)
+
+    def _score_here(self, response: str, ground_truth: str) -> dict[str, float] | None:
+        try:
+            return call_reward(self.fn, response, ground_truth)
+        except Exception as e:
+            self._record_error(_describe(e))
+            return None
+
+    def _score_in_workers(self, items: list[tuple[str, str]]) -> list[dict[str, float] | None]:
+        results = [None] * len(items)
+        todo = deque(range(len(items)))
+        try:
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker(self._ctx, self.fn_spec))
+            while todo or any(w.index is not None for w in self._workers):
+                for w in self._workers:
+                    if w.idle and todo:
+                        i = todo.popleft()
+                        w.submit(i, items[i], self.timeout)
+                self._collect(results)
+        except BaseException:
+            # an interrupted batch leaves answers in flight that would be read as the next batch's: start clean
+            self.close()
+            raise
+        return results
+
+    def _collect(self, results: list) -> None:
+        """Wait for the next worker message or deadline; store results, replace hung or dead workers."""
+        waiting = [w for w in self._workers if not w.idle]
+        next_deadline = min(w.deadline for w in waiting)
+        wait([w.conn for w in waiting], timeout=max(0.0, next_deadline - time.monotonic()))
+        for k, w in enumerate(self._workers):
+            if w.idle:
+                continue
+            if w.conn.poll():
+                try:
+                    status, payload = w.conn.recv()
+                except (EOFError, OSError):
+                    status, payload = "crashed", f"reward worker died (exit code {w.proc.exitcode})"
+            elif time.monotonic() >= w.deadline:
+                limit = self.timeout if w.ready else STARTUP_TIMEOUT
+                status, payload = "timeout", f"no answer from the reward worker within {limit}s"
+            else:
+                continue
+            if not w.ready:
+                if status != "ready":
+                    raise RuntimeError(f"reward worker for {self.fn_spec} failed to start: {payload}")
+                w.ready = True
+            elif status == "ok":
+                results[w.index] = payload
+                w.index = None
+            elif status == "error":
+                self._record_error(payload)
+                w.index = None
+            else:  # timeout or crash: the worker is unusable, replace it; its item stays a failure
+                if status == "timeout":
+                    self.n_timeouts += 1
+                    self.last_error = payload
+                else:
+                    self._record_error(payload)
+                w.kill()
+                self._workers[k] = _Worker(self._ctx, self.fn_spec)
+
+    def _record_error(self, message: str) -> None:
+        self.n_errors += 1
+        self.last_error = message
+
+    def _fill_failures(self, results: list[dict[str, float] | None]) -> list[dict[str, float]]:
+        # failures get the same keys as successes, so the trainer can average every key over the batch
+        for result in results:
+            if result is not None:
+                self.keys += [key for key in result if key not in self.keys]
+                break
+        return [result if result is not None else dict.fromkeys(self.keys, 0.0) for result in results]
+
+    def close(self) -> None:
+        """Kill the workers. Safe to call twice; score() after close() starts fresh ones."""
+        for w in self._workers:
+            w.kill()
+        self._workers = []
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,121 @@
+"""Write a small parquet file shaped like `hiyouga/geometry3k`, for tests and smoke runs without network.
+
+Columns: `problem` (text with `<image>` marks), `answer` (geo3k-style strings such as `48`, `12.5`,
+`\\frac{7}{2}`, `2 \\sqrt { 221 }`) and `images` (a list of `{"bytes": png, "path": name | None}` structs, the
+layout `datasets` writes for a `List(Image())` column). The figures are simple PIL drawings (a triangle or a
+circle with a number on it), 64-200 px, and every byte is a function of the seed.
+
+    python scripts/make_synthetic_data.py data/synthetic/train.parquet --rows 64 --seed 0
+"""
+
+import argparse
+import io
+import json
+import math
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image, ImageDraw, ImageFont
+
+QUESTIONS = [
+    "Find x. Round to the nearest tenth.",
+    "Find x.",
+    "Find the area of the figure. Round to the nearest tenth if necessary.",
+    "Find the perimeter of the triangle.",
+    "Find m \\angle 2.",
+    "Find the length of the arc. Round to the nearest hundredth.",
+]
+
+# The `datasets` feature metadata, so `datasets.load_dataset("parquet", ...)` sees an image column as it does
+# for the real file; our own loader reads the raw structs either way.
+HF_METADATA = {
+    "info": {
+        "features": {
+            "problem": {"dtype": "string", "_type": "Value"},
+            "answer": {"dtype": "string", "_type": "Value"},
+            "images": {"feature": {"_type": "Image"}, "_type": "List"},
+        }
+    }
+}
+
+
+def random_answer(rng: random.Random) -> str:
+    """One answer in one of the four styles found in geo3k."""
+    style = rng.randrange(4)
+    if style == 0:
+        return str(rng.randint(1, 180))
+    if style == 1:
+        return f"{rng.randint(1, 99)}.{rng.randint(1, 9)}"
+    if style == 2:
+        return f"\\frac{{{rng.randint(1, 20)}}}{{{rng.randint(2, 9)}}}"
+    return f"{rng.randint(2, 9)} \\sqrt {{ {rng.randint(2, 300)} }}"
+
+
+def draw_figure(rng: random.Random, label: str, image_size: tuple[int, int]) -> bytes:
+    """A triangle or a circle with a number label, as PNG bytes; each side drawn from `image_size` (min, max)."""
+    w, h = rng.randint(*image_size), rng.randint(*image_size)
+    img = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(img)
+    if rng.random() < 0.5:
+        points = [(rng.randint(4, w - 4), rng.randint(4, h - 4)) for _ in range(3)]
+        draw.polygon(points, outline="black")
+    else:
+        r = rng.randint(min(w, h) // 4, min(w, h) // 2 - 2)
+        cx, cy = w // 2, h // 2
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], outline="black")
+        angle = rng.uniform(0, 2 * math.pi)
+        draw.line([(cx, cy), (cx + r * math.cos(angle), cy + r * math.sin(angle))], fill="black")
+    draw.text((rng.randint(2, w // 2), rng.randint(2, h // 2)), label, fill="black", font=ImageFont.load_default())
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def random_row(rng: random.Random, index: int, image_size: tuple[int, int]) -> dict:
+    """One geo3k-like row; about one in eight has two figures."""
+    question = rng.choice(QUESTIONS)
+    if rng.random() < 0.125:
+        problem = f"<image>Figure A. <image>Figure B. {question}"
+        n_images = 2
+    else:
+        problem = f"<image>{question}"
+        n_images = 1
+    images = []
+    for k in range(n_images):
+        path = f"{index:05d}_{k}.png" if rng.random() < 0.5 else None  # geo3k stores some names, some nulls
+        images.append({"bytes": draw_figure(rng, str(rng.randint(2, 99)), image_size), "path": path})
+    return {"problem": problem, "answer": random_answer(rng), "images": images}
+
+
+def make_geo3k_like(out_path: str, n_rows: int = 64, seed: int = 0, image_size: tuple[int, int] = (64, 200)) -> str:
+    """Write `n_rows` geo3k-like rows to `out_path` (parquet) and return the path.
+
+    `image_size` bounds each figure side in pixels (min, max)."""
+    if not 16 <= image_size[0] <= image_size[1]:
+        raise ValueError(f"image_size must be (min, max) with 16 <= min <= max, got {image_size}")
+    rng = random.Random(seed)
+    rows = [random_row(rng, i, image_size) for i in range(n_rows)]
+    image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    schema = pa.schema(
+        [("problem", pa.string()), ("answer", pa.string()), ("images", pa.list_(image_struct))],
+        metadata={"huggingface": json.dumps(HF_METADATA)},
+    )
+    table = pa.Table.from_pylist(rows, schema=schema)
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out_path)
+    return str(out_path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="output .parquet path")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(make_geo3k_like(args.out, n_rows=args.rows, seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Build a tiny, randomly initialised Qwen2.5-VL checkpoint for offline CPU tests.
+
+The checkpoint has the real Qwen2.5-VL layout (tokenizer class, special tokens, chat template,
+processor classes, model class and weight names) but only ~1M parameters, so tests exercise the same
+code paths as the 3B/7B models (HF training forward, vLLM rollout, weight sync) in seconds.
+
+Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+from transformers import (
+    GenerationConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLVideoProcessor,
+)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+# Qwen2.5-VL's special tokens, in Qwen's id order (151643 .. 151656 in the real vocabulary). Here they
+# follow the trained BPE vocabulary in the same order, so relative offsets match the real model.
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
+# message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
+# each image/video replaced by its vision block, and `<|im_start|>assistant\n` as the generation prompt.
+CHAT_TEMPLATE = (
+    "{% set ns = namespace(images=0, videos=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "{% set ns.images = ns.images + 1 %}"
+    "{% if add_vision_id %}Picture {{ ns.images }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "{% set ns.videos = ns.videos + 1 %}"
+    "{% if add_vision_id %}Video {{ ns.videos }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n"
+    "{% endif %}"
+)
+
+# Tiny-model pixel budget: 56x56 .. 112x112 gives 4..16 merged image tokens per image. The trainer
+# overrides both from its config; vLLM must be given the same values.
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 112 * 112
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------
+
+
+def synthetic_corpus(seed: int, n_lines: int = 600) -> list[str]:
+    """Geometry3K-like text so BPE merges cover the words, LaTeX and tags the trainer will see."""
+    rng = random.Random(seed)
+    letters = "ABCDEFGHJKLMNPQRSTWXYZ"
+    shapes = ["triangle", "rectangle", "circle", "parallelogram", "trapezoid", "rhombus", "square", "kite"]
+    asks = ["Find x.", "Find y.", "Find the area of the figure.", "Find the perimeter.", "Find m \\angle 2."]
+    fmt_prompt = (
+        "You FIRST think about the reasoning process as an internal monologue and then provide the final "
+        "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST "
+        "BE put in \\boxed{}."
+    )
+
+    def num() -> str:
+        return str(rng.randint(0, 360))
+
+    def answer() -> str:
+        kind = rng.randrange(4)
+        if kind == 0:
+            return num()
+        if kind == 1:
+            return f"\\frac{{{num()}}}{{{rng.randint(1, 9)}}}"
+        if kind == 2:
+            return f"{rng.randint(2, 9)} \\sqrt {{ {num()} }}"
+        return f"{num()}.{rng.randint(0, 9)}"
+
+    lines = ["You are a helpful assistant.", "system", "user", "assistant", fmt_prompt]
+    for _ in range(n_lines):
+        a, b, c = rng.sample(letters, 3)
+        shape = rng.choice(shapes)
+        lines.append(
+            f"<image>In {shape} {a}{b}{c}, {a}{b} = {num()} and m \\angle {b}{c}{a} = {num()}. {rng.choice(asks)}"
+        )
+        lines.append(
+            f"<think> The {shape} has side {a}{b} = {num()}, so x = \\sqrt{{{num()}^2 + {num()}^2}} and "
+            f"the angle is {num()} degrees. </think> The answer is \\boxed{{{answer()}}}."
+        )
+    return lines
+
+
+def train_bpe(corpus: list[str], vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Train a byte-level BPE with Qwen2's exact pre-tokenisation; return its vocab and merges.
+
+    Every one of the 256 byte symbols is in the vocabulary, so any text round-trips; Qwen's split
+    regex isolates single digits, so each digit 0-9 stays its own token, as in the real tokenizer.
+    """
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+def build_tokenizer(seed: int, vocab_size: int) -> Qwen2Tokenizer:
+    """A Qwen2Tokenizer (same pipeline and special tokens as Qwen2.5-VL) over a tiny trained BPE."""
+    vocab, merges = train_bpe(synthetic_corpus(seed), vocab_size)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        bos_token=None,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        errors="replace",
+        model_max_length=32768,
+        split_special_tokens=False,
+    )
+    # Appended after the BPE vocab in Qwen's order; all special so they are never split or merged.
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    # Qwen2.5-VL (an instruct model) ends a turn with <|im_end|>; padding uses <|endoftext|>.
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Processor and model
+# --------------------------------------------------------------------------------------------------
+
+
+def build_processor(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLProcessor:
+    """The real processor classes with a tiny pixel budget (patch 14, merge 2 like Qwen2.5-VL)."""
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL architecture shrunk to the smallest shapes both transformers and vLLM's CPU backend run."""
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    # Exactly one row per token. The real model has spare rows (151936 for 151665 tokens) that training
+    # never lets it sample, but a random model would sample them often and they decode to nothing.
+    vocab_size = len(tokenizer)
+    head_dim = 64  # vLLM's CPU attention supports 64 but not 16
+    text_config = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim = 128 / 2 = 64
+        num_key_value_heads=1,  # grouped-query attention, as in the 3B/7B models
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        initializer_range=0.02,
+        # mRoPE splits the rotary half-dimension (head_dim / 2 = 32) into temporal/height/width sections.
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    assert sum(text_config["rope_parameters"]["mrope_section"]) == head_dim // 2
+    vision_config = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,  # head_dim 64
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[1],  # layer 0 windowed, layer 1 full attention: both paths are exercised
+        out_hidden_size=128,
+        tokens_per_second=2,
+        initializer_range=0.02,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def build_generation_config(tokenizer: Qwen2Tokenizer) -> GenerationConfig:
+    """Stop on either end token. No sampling defaults: vLLM adopts them as SamplingParams defaults."""
+    end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return GenerationConfig(bos_token_id=end_of_text, eos_token_id=[im_end, end_of_text], pad_token_id=end_of_text)
+
+
+def build_tiny_model(out_dir: str, seed: int = 0, vocab_size: int = 400) -> str:
+    """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
+
+    vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen
+    special tokens are appended. Returns out_dir.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed, vocab_size)
+    processor = build_processor(tokenizer)
+    config = build_config(tokenizer)
+
+    torch.manual_seed(seed)  # the model's _init_weights draws normal(0, initializer_range) from this
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = build_generation_config(tokenizer)
+
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    return str(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    path = build_tiny_model(args.out_dir, seed=args.seed)
+    print(f"tiny Qwen2.5-VL written to {path} in {time.perf_counter() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

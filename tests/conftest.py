@@ -1,0 +1,37 @@
+"""Shared pytest setup: offline CPU defaults and a tiny Qwen2.5-VL checkpoint built once per session."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # so tests import the trainer modules and scripts.* without installing
+
+# Tests never touch the network, and tokenizer thread pools deadlock in forked workers.
+for _key, _value in {
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    # Run vLLM's engine in the test process, as the trainer does with external_launcher; a spawned engine
+    # process would re-import the test module and costs seconds per LLM().
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Path of a freshly built tiny random Qwen2.5-VL (tokenizer, processor, fp32 weights); read-only."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen2_5_vl")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_processor(tiny_model_dir):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_model_dir)

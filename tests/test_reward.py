@@ -1,0 +1,275 @@
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, where reward.py lives
+
+from reward import (  # noqa: E402
+    FORMAT_REGEX,
+    RewardScorer,
+    compute_score,
+    digit_fraction,
+    has_format,
+    is_equivalent,
+    last_boxed,
+    load_reward_fn,
+)
+
+# -----------------------------------------------------------------------------
+# format
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>a</think> so \\boxed{3}", True),
+        ("  \n<think>a\nb</think>\n\\boxed{\\frac{7}{2}} done\n ", True),  # surrounding whitespace is stripped
+        ("<think></think>\\boxed{}", True),
+        ("<think>a</think> \\boxed{\\frac{7}{2}}", True),  # nested braces
+        ("a</think> \\boxed{3}", False),  # missing <think>
+        ("<think>a \\boxed{3}", False),  # missing </think>
+        ("<think>a \\boxed{3}</think>", False),  # boxed inside the thinking only
+        ("\\boxed{3}<think>a</think>", False),  # boxed before think
+        ("<think>a</think> the answer is 3", False),  # no boxed
+        ("<think>a</think> \\boxed{3", False),  # boxed never closed
+        ("x <think>a</think> \\boxed{3}", False),  # text before <think>
+    ],
+)
+def test_format(response, expected):
+    """Guards against rewarding (or not rewarding) the <think>...</think> ... \\boxed{} format wrongly."""
+    assert has_format(response) is expected
+    assert bool(re.fullmatch(FORMAT_REGEX, response.strip(), re.DOTALL)) is expected
+
+
+def test_format_agrees_with_regex_on_random_strings():
+    """Guards against the linear-time format check drifting from the regex the recipe specifies."""
+    pieces = ["<think>", "</think>", "\\boxed{", "{", "}", "x", " ", "\n"]
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        assert has_format(text) == bool(re.fullmatch(FORMAT_REGEX, text.strip(), re.DOTALL)), text
+
+
+def test_format_is_fast_on_degenerate_output():
+    """Guards against regex backtracking: this string takes the spec regex ~30 s."""
+    text = "<think>" + "</think>\\boxed{" * 2000
+    start = time.monotonic()
+    assert has_format(text) is False
+    assert time.monotonic() - start < 0.1
+
+
+# -----------------------------------------------------------------------------
+# answer extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("\\boxed{3}", "3"),
+        ("first \\boxed{2} then \\boxed{ 5 }", "5"),  # the last boxed is the answer, stripped
+        ("\\boxed{\\frac{7}{2}}", "\\frac{7}{2}"),
+        ("\\boxed{2 \\sqrt { 221 }} cm", "2 \\sqrt { 221 }"),
+        ("\\boxed{{a}{b}}", "{a}{b}"),
+        ("\\boxed{2} and \\boxed{\\frac{7}{2}", None),  # the last one is unclosed: truncated, no answer
+        ("the answer is 3", None),
+        ("", None),
+    ],
+)
+def test_last_boxed(text, expected):
+    """Guards against grading the wrong boxed answer or cutting nested braces short."""
+    assert last_boxed(text) == expected
+
+
+# -----------------------------------------------------------------------------
+# accuracy
+
+
+@pytest.mark.parametrize(
+    "given, ground_truth",
+    [
+        ("2\\sqrt{221}", "2 \\sqrt { 221 }"),
+        ("\\sqrt{884}", "2 \\sqrt { 221 }"),
+        ("y = 2\\sqrt{221}", "2 \\sqrt { 221 }"),
+        ("\\frac{40}{3}", "\\frac { 40 } { 3 }"),
+        ("\\dfrac{40}{3}", "\\frac { 40 } { 3 }"),
+        ("40/3", "\\frac { 40 } { 3 }"),
+        ("12.50", "12.5"),
+        ("12.5", "12.50"),
+        ("48.0", "48"),
+        ("48^\\circ", "48"),
+        ("48^{\\circ}", "48"),
+        ("48°", "48"),
+        ("48 degrees", "48"),
+        ("x = 48", "48"),
+        ("x=48", "48"),
+        ("\\angle A = 48^\\circ", "48"),
+        ("48 cm", "48"),
+        ("48 \\text{ cm}", "48"),
+        ("48 cm^2", "48"),
+        ("48\\text{cm}^2", "48"),
+        ("48 units", "48"),
+        ("\\frac{8}{\\sqrt{3}}", "\\frac { 8 \\sqrt { 3 } } { 3 }"),
+        ("4\\pi", "4 \\pi"),
+    ],
+)
+def test_equivalent_answer_styles(given, ground_truth):
+    """Guards against marking a correct answer wrong because of its notation."""
+    assert is_equivalent(given, ground_truth)
+
+
+@pytest.mark.parametrize(
+    "given, ground_truth",
+    [
+        ("49", "48"),
+        ("-48", "48"),
+        ("4.8", "48"),
+        ("x = 49", "48"),
+        ("48, 49", "48"),
+        ("48 + x", "48"),
+        ("\\frac{3}{40}", "\\frac { 40 } { 3 }"),
+        ("3/40", "\\frac { 40 } { 3 }"),
+        ("13.33", "\\frac { 40 } { 3 }"),
+        ("29.73", "2 \\sqrt { 221 }"),
+        ("2\\sqrt{220}", "2 \\sqrt { 221 }"),
+        ("12.57", "4 \\pi"),
+        ("", "48"),
+    ],
+)
+def test_wrong_answers_grade_zero(given, ground_truth):
+    """Guards against a lenient grader paying reward for wrong answers."""
+    assert not is_equivalent(given, ground_truth)
+
+
+# -----------------------------------------------------------------------------
+# overall score
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("<think>r</think> \\boxed{\\frac{40}{3}}", (1.0, 1.0, 1.0)),
+        ("so \\boxed{\\frac{40}{3}}", (0.9, 0.0, 1.0)),  # correct but unformatted
+        ("<think>r</think> \\boxed{\\frac{3}{40}}", (0.1, 1.0, 0.0)),  # formatted but wrong
+        ("<think>r</think> \\boxed{7} no, \\boxed{\\frac{40}{3}}", (1.0, 1.0, 1.0)),  # last boxed counts
+        ("<think>r</think> the answer is 40/3", (0.0, 0.0, 0.0)),  # no boxed, no accuracy
+    ],
+)
+def test_compute_score(response, expected):
+    """Guards against wrong weighting of accuracy and format in the overall reward."""
+    score = compute_score(response, "\\frac { 40 } { 3 }")
+    assert (score["overall"], score["format"], score["accuracy"]) == pytest.approx(expected)
+
+
+def test_digit_fraction():
+    """Guards against the CPU demo's toy reward counting whitespace or non-ASCII digits."""
+    assert digit_fraction("12 ab", "") == {"overall": 0.5, "format": 0.0, "accuracy": 1.0}
+    assert digit_fraction("1 a b", "")["accuracy"] == 0.0
+    assert digit_fraction("٣٣ 12", "")["overall"] == 0.5  # Arabic-Indic digits are not ASCII digits
+    assert digit_fraction(" \n", "")["overall"] == 0.0
+
+
+# -----------------------------------------------------------------------------
+# RewardScorer
+
+RESPONSES = ["<think>r</think> \\boxed{48^\\circ}", "\\boxed{49}", "no answer", "<think>r</think> \\boxed{12.50}"]
+GROUND_TRUTHS = ["48", "48", "48", "12.5"]
+
+
+def test_direct_path_matches_compute_score():
+    """Guards against the in-process path (timeout=None) scoring differently from the reward function."""
+    scorer = RewardScorer(timeout=None)
+    assert scorer.score(RESPONSES, GROUND_TRUTHS) == [compute_score(r, g) for r, g in zip(RESPONSES, GROUND_TRUTHS)]
+
+
+def test_workers_match_direct_path_in_order():
+    """Guards against a worker pool returning results out of order or different from a direct call."""
+    with RewardScorer(timeout=5.0, num_workers=2) as scorer:
+        got = scorer.score(RESPONSES * 3, GROUND_TRUTHS * 3)
+        workers = [w.proc for w in scorer._workers]
+    assert got == [compute_score(r, g) for r, g in zip(RESPONSES * 3, GROUND_TRUTHS * 3)]
+    assert (scorer.n_timeouts, scorer.n_errors) == (0, 0)
+    assert not any(proc.is_alive() for proc in workers)  # the context manager leaves no orphan processes
+
+
+def test_hostile_input_times_out_and_scorer_recovers():
+    """Guards against sympy hanging training: 9^{9^{9}} runs for minutes in math_verify without the bound."""
+    with RewardScorer(timeout=1.0) as scorer:
+        scorer.score(["\\boxed{1}"], ["1"])  # let the worker start before timing
+        start = time.monotonic()
+        got = scorer.score(["<think>r</think> \\boxed{9^{9^{9}}}", "\\boxed{48}"], ["1", "48"])
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert got[0] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}  # zeros, even the format
+        assert got[1]["accuracy"] == 1.0  # the replacement worker grades the next item
+        assert (scorer.n_timeouts, scorer.n_errors) == (1, 0)
+        assert scorer.score(["\\boxed{7}"], ["7"])[0]["accuracy"] == 1.0
+
+
+USER_REWARD = """
+import os
+
+def length_reward(response, ground_truth):
+    if response == "raise":
+        raise RuntimeError("bad input")
+    if response == "crash":
+        os._exit(3)
+    return {"overall": len(response) / 10, "format": 0.0, "accuracy": float(response == ground_truth), "length": 1.0}
+"""
+
+
+@pytest.fixture
+def user_spec(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_REWARD)
+    return f"{path}:length_reward"
+
+
+def test_user_reward_file_runs_in_workers(user_spec):
+    """Guards against user rewards failing to load by path in the worker, or losing their extra keys."""
+    with RewardScorer(user_spec, timeout=5.0) as scorer:
+        got = scorer.score(["abcde", "xy"], ["abcde", "z"])
+    assert got == [
+        {"overall": 0.5, "format": 0.0, "accuracy": 1.0, "length": 1.0},
+        {"overall": 0.2, "format": 0.0, "accuracy": 0.0, "length": 1.0},
+    ]
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_exception_in_user_reward_gives_zeros(user_spec, timeout):
+    """Guards against one bad item crashing the batch, or its zeros missing keys the other items have."""
+    with RewardScorer(user_spec, timeout=timeout) as scorer:
+        got = scorer.score(["raise", "abcde"], ["", "abcde"])
+    assert got[0] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0, "length": 0.0}
+    assert got[1]["accuracy"] == 1.0
+    assert (scorer.n_errors, scorer.n_timeouts) == (1, 0)
+    assert "bad input" in scorer.last_error
+
+
+def test_worker_crash_gives_zeros_and_recovers(user_spec):
+    """Guards against a dying worker (segfault, os._exit) hanging or killing the batch."""
+    with RewardScorer(user_spec, timeout=5.0) as scorer:
+        got = scorer.score(["crash", "abcde"], ["", "abcde"])
+    assert got[0]["overall"] == 0.0 and got[1]["accuracy"] == 1.0
+    assert (scorer.n_errors, scorer.n_timeouts) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["my_reward.py", "my_reward.py:", "does_not_exist.py:f", "my_reward.py:missing", "my_reward.txt:length_reward"],
+)
+def test_bad_specs_raise_value_error(user_spec, spec, monkeypatch):
+    """Guards against a typo in the reward spec failing late, deep in a worker, or with an unclear error."""
+    monkeypatch.chdir(Path(user_spec.rpartition(":")[0]).parent)
+    with pytest.raises(ValueError, match=re.escape(repr(spec))):
+        load_reward_fn(spec)
+    with pytest.raises(ValueError):
+        RewardScorer(spec)
+
+
+def test_default_spec_found_from_any_cwd(tmp_path, monkeypatch):
+    """Guards against the default "reward.py:compute_score" only working when run from the repo root."""
+    monkeypatch.chdir(tmp_path)
+    assert load_reward_fn("reward.py:compute_score")("\\boxed{2}", "2")["accuracy"] == 1.0
