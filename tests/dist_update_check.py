@@ -1,0 +1,88 @@
+"""Run one optimizer step of train_grpo.update_policy under torchrun and save the updated full weights.
+
+Used by test_train.py: the same rollout batch split over 1 or 2 ranks and into any number of micro-batches must give
+the same update. The batch is synthetic but realistic: 4 prompts with images, 2 responses each of uneven lengths.
+
+    torchrun --nproc_per_node=W tests/dist_update_check.py MODEL_DIR OUT.pt MICRO_BATCH LOSS_AGG_MODE
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+
+import rollout  # noqa: E402
+import train_grpo  # noqa: E402
+
+PROMPTS, N = 4, 2
+
+
+def synthetic_prompts(processor):
+    prompts = []
+    for i in range(PROMPTS):
+        img = Image.new("RGB", (56 + 28 * i, 84), "white")
+        ImageDraw.Draw(img).line((0, 0, 40, 60 - 10 * i), fill="black", width=3)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Find x {i}."}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out = processor(text=[text], images=[img], return_tensors="pt")
+        prompts.append(rollout.Prompt(out["input_ids"][0], out["pixel_values"], out["image_grid_thw"], [img]))
+    return prompts
+
+
+def main():
+    model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    rank, world, device = train_grpo.setup_distributed()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
+                                        f"rollout.n={N}", f"actor.micro_batch_size={micro}",
+                                        f"actor.loss_agg_mode={mode}", "actor.max_grad_norm=1e9",
+                                        "algorithm.kl_coef=0.1"])  # fmt: skip
+    train_grpo.check_config(cfg, world)
+
+    g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
+    prompts = synthetic_prompts(processor)
+    samples, ref_logps = [], []
+    for p in range(PROMPTS):
+        for _ in range(N):
+            length = int(torch.randint(1, 9, (1,), generator=g))
+            ids = torch.randint(0, 300, (length,), generator=g).tolist()  # plain text tokens, no specials
+            samples.append(rollout.Sample(p, ids, [0.0] * length, "", False))
+            ref_logps.append(-torch.rand(length, generator=g) * 3)
+    advantages = torch.randn(PROMPTS * N, generator=g)
+
+    per_rank = PROMPTS // world
+    mine = slice(rank * per_rank * N, (rank + 1) * per_rank * N)
+    local_samples = [
+        rollout.Sample(s.prompt_index - rank * per_rank, s.response_ids, s.logprobs, s.text, s.truncated)
+        for s in samples[mine]
+    ]
+    local_prompts = prompts[rank * per_rank : (rank + 1) * per_rank]
+
+    model = train_grpo.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
+    train_grpo.apply_fsdp(model, device)
+    train_grpo.root_forward(model, processor.tokenizer.pad_token_id)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    stats = dict.fromkeys(["actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
+                           "actor/optimizer_steps"], 0.0)  # fmt: skip
+    model.train()
+    ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
+    train_grpo.update_policy(model, optimizer, scheduler, local_samples, local_prompts, advantages[mine], None,
+                             ref_logps[mine], cfg, ids, stats)  # fmt: skip
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"state": state, "stats": stats}, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Config: YAML + CLI overrides, and the errors a user gets before any model loads."""
+
+import pytest
+
+from train_grpo import Config, ConfigError, check_config, load_config, main
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    """Guards against YAML or CLI values being ignored, or the CLI losing to the file."""
+    path = _yaml(tmp_path, "rollout:\n  n: 3\n  temperature: 0.7\nactor:\n  lr: 1e-6\n")
+    cfg = load_config(path, ["rollout.n=7", "trainer.logger=[console,jsonl]", "data.shuffle=false"])
+    assert cfg.rollout.n == 7  # CLI beats YAML
+    assert cfg.rollout.temperature == 0.7  # YAML beats default
+    assert cfg.actor.lr == 1e-6 and isinstance(cfg.actor.lr, float)  # PyYAML reads 1e-6 as a string
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.data.shuffle is False
+    assert cfg.actor.global_batch_size == Config().actor.global_batch_size  # untouched default
+
+
+def test_unknown_key_names_the_valid_ones(tmp_path):
+    """Guards against a typo (rollout.temprature) silently training with the default."""
+    with pytest.raises(ConfigError, match=r"rollout\.temprature.*valid keys of rollout: engine, n, temperature"):
+        load_config(_yaml(tmp_path, "rollout:\n  temprature: 0.5\n"))
+    with pytest.raises(ConfigError, match="unknown config section 'optim'"):
+        load_config(None, ["optim.lr=1"])
+
+
+@pytest.mark.parametrize(
+    "override", ["rollout.n=2.5", "rollout.n=abc", "actor.lr=fast", "data.shuffle=3", "trainer.logger=console"]
+)
+def test_wrong_type_fails(override):
+    """Guards against a float batch size or a string learning rate reaching the trainer."""
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_batch_sizes_that_do_not_divide_say_what_to_change():
+    """Guards against a deadlock or a silently dropped remainder when batches do not split over ranks."""
+    cfg = load_config(None, ["data.rollout_batch_size=12", "actor.global_batch_size=12"])
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        check_config(cfg, world_size=8)
+    cfg = load_config(None, ["data.rollout_batch_size=16", "actor.global_batch_size=16", "rollout.n=3",
+                             "actor.micro_batch_size=5"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"16/2 x 3 = 24 .* actor.micro_batch_size=5"):
+        check_config(cfg, world_size=2)
+    cfg.actor.micro_batch_size = 4
+    check_config(cfg, world_size=2)
+
+
+def test_global_batch_must_divide_rollout_batch():
+    """Guards against a rollout batch whose last mini-batch would be short."""
+    cfg = load_config(None, ["data.rollout_batch_size=32", "actor.global_batch_size=12"])
+    with pytest.raises(ConfigError, match="global_batch_size=12 must divide"):
+        check_config(cfg, world_size=2)
+
+
+def test_default_configs_are_valid():
+    """Guards against a shipped config that fails its own checks."""
+    for name, world in [("configs/geo3k.yaml", 8), ("configs/geo3k_3b.yaml", 8), ("configs/tiny.yaml", 2)]:
+        check_config(load_config(name), world_size=world)
+
+
+def test_cli_fails_on_bad_config_before_loading_anything(capsys):
+    """Guards against a bad key surfacing only after minutes of model loading."""
+    assert main(["configs/tiny.yaml", "actor.model_path=/nonexistent", "rollout.nn=3"]) == 2
+    assert "rollout.nn" in capsys.readouterr().err
