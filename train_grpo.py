@@ -275,7 +275,47 @@ def _grpo_advantages(scores, group_size, eps):
     return ((groups - mean) / (std + eps)).view(-1)  # (N,)
 
 
-ADVANTAGE_ESTIMATORS = {"grpo": _grpo_advantages}
+def _dr_grpo_advantages(scores, group_size, eps):
+    # Dr. GRPO (https://arxiv.org/abs/2503.20783): dividing by the std favours too-easy and too-hard prompts
+    groups = scores.view(-1, group_size)  # (G, n)
+    return (groups - groups.mean(dim=1, keepdim=True)).view(-1)  # (N,)
+
+
+def _rloo_advantages(scores, group_size, eps):
+    # REINFORCE leave-one-out (https://arxiv.org/abs/2402.14740): baseline = mean of the other n - 1 answers
+    if group_size == 1:
+        return torch.zeros_like(scores)
+    groups = scores.view(-1, group_size)  # (G, n)
+    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # (G, n)
+    return (groups - others).view(-1)  # (N,)
+
+
+def _reinforce_pp_advantages(scores, group_size, eps):
+    # REINFORCE++ (https://arxiv.org/abs/2501.03262): whiten the returns over the whole batch, not per group
+    if scores.numel() == 1:
+        return torch.zeros_like(scores)
+    return (scores - scores.mean()) / (scores.std() + eps)  # (N,)
+
+
+def _grpo_passk_advantages(scores, group_size, eps):
+    # Pass@k training (https://arxiv.org/abs/2508.10751), the variant EasyR1 ships: only the best answer of a group
+    # is credited, by its margin over the runner-up, so the group is optimised for its best try
+    if group_size == 1:
+        return torch.zeros_like(scores)
+    groups = scores.view(-1, group_size)  # (G, n)
+    top2 = groups.topk(2, dim=1).values  # (G, 2)
+    best = groups.argmax(dim=1, keepdim=True)  # (G, 1), first of equal maxima
+    adv = torch.zeros_like(groups).scatter(1, best, top2[:, :1] - top2[:, 1:])  # (G, n)
+    return adv.view(-1)  # (N,)
+
+
+ADVANTAGE_ESTIMATORS = {
+    "grpo": _grpo_advantages,
+    "dr_grpo": _dr_grpo_advantages,
+    "rloo": _rloo_advantages,
+    "reinforce_plus_plus": _reinforce_pp_advantages,
+    "grpo_passk": _grpo_passk_advantages,
+}
 
 
 def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6):
@@ -295,6 +335,7 @@ KL_PENALTIES = {
     "k1": lambda logp, ref_logp: logp - ref_logp,
     "k2": lambda logp, ref_logp: 0.5 * (ref_logp - logp).square(),
     "low_var_kl": _low_var_kl,
+    "abs": lambda logp, ref_logp: (logp - ref_logp).abs(),
 }
 
 
@@ -303,11 +344,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     return KL_PENALTIES[kind](logp, ref_logp)
 
 
-def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0):
-    """PPO clipped surrogate with dual clip. logp, old_logp (B, T); advantages broadcastable to (B, T).
-
-    Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
-    """
+def _ppo_loss(logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask):
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, T)
     unclipped = -advantages * ratio  # (B, T)
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # (B, T)
@@ -318,18 +355,58 @@ def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_du
     return loss, (clipped > unclipped) | is_dual
 
 
-def _token_mean(loss, mask, num_tokens, num_seqs):
+def _gspo_loss(logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask):
+    # GSPO (https://arxiv.org/abs/2507.18071): one ratio per sequence, the geometric mean of its token ratios, clipped
+    # as a whole (use clip ratios around 3e-4 / 4e-4). Written per token as sg[s_i] * exp(logp - sg[logp]) so the
+    # gradient of every token is scaled by its sequence's ratio.
+    mask = torch.ones_like(logp) if mask is None else mask.to(logp.dtype)
+    log_seq_ratio = ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B,1)
+    log_ratio = (log_seq_ratio.detach() + logp - logp.detach()).clamp(max=10)  # (B, T), value = sequence ratio
+    ratio = log_ratio.exp()  # (B, T)
+    unclipped = -advantages * ratio  # (B, T)
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)  # (B, T)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+POLICY_LOSSES = {"ppo": _ppo_loss, "gspo": _gspo_loss}
+
+
+def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0, mode="ppo", mask=None):
+    """Clipped surrogate. logp, old_logp (B, T); advantages broadcastable to (B, T); `mask` (B, T) for sequence-level
+    modes. "ppo": token ratios, clip low/high, dual clip for A < 0 (https://arxiv.org/abs/1912.09729); "gspo".
+
+    Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
+    """
+    return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
+
+
+def tis_weights(old_logp, rollout_logp, cap):
+    """Truncated importance sampling (https://fengyao.notion.site/off-policy-rl): the rollout engine samples from a
+    slightly different distribution than the trainer computes; weight each token by min(p_trainer / p_engine, cap).
+    (B, T) -> (B, T), no gradient."""
+    return torch.exp((old_logp - rollout_logp).clamp(-20, 20)).clamp(max=cap).detach()
+
+
+def overlong_penalty(lengths, max_length, buffer, factor):
+    """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476): 0 up to max_length - buffer, then a linear
+    ramp down to -factor at max_length. lengths (N,) -> (N,)."""
+    over = (lengths.float() - (max_length - buffer)).clamp(min=0)  # (N,)
+    return -factor * (over / buffer).clamp(max=1)
+
+
+def _token_mean(loss, mask, num_tokens, num_seqs, horizon):
     return (loss * mask).sum() / num_tokens
 
 
-def _seq_mean_token_mean(loss, mask, num_tokens, num_seqs):
+def _seq_mean_token_mean(loss, mask, num_tokens, num_seqs, horizon):
     per_seq = (loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
     return per_seq.sum() / num_seqs
 
 
-def _seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs):
-    # Dr. GRPO (https://arxiv.org/abs/2503.20783): a constant length normaliser, here the padded horizon T
-    per_seq = (loss * mask).sum(-1) / loss.shape[-1]  # (B,)
+def _seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, horizon):
+    # Dr. GRPO (https://arxiv.org/abs/2503.20783): a constant length normaliser (the max response length), the same
+    # for every sequence, so long answers are not down-weighted per token
+    per_seq = (loss * mask).sum(-1) / horizon  # (B,)
     return per_seq.sum() / num_seqs
 
 
@@ -340,17 +417,20 @@ LOSS_AGGREGATIONS = {
 }
 
 
-def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None):
+def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None, horizon=None):
     """(B, T) loss and mask -> scalar.
 
     With `num_tokens`/`num_seqs` left None this is the mean over this batch. Passing the totals of the whole
     optimizer step (over all micro-batches and ranks) makes each micro-batch's value its share of the full-batch
-    mean, so the shares sum exactly to it under gradient accumulation and data parallelism.
+    mean, so the shares sum exactly to it under gradient accumulation and data parallelism. `horizon` is the
+    length normaliser of seq-mean-token-sum-norm (default T; pass the max response length so it is the same for
+    every micro-batch).
     """
     mask = mask.to(loss.dtype)
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
-    return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs)
+    horizon = loss.shape[-1] if horizon is None else horizon
+    return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs, horizon)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Algorithm variants (estimators, KL kinds, GSPO, TIS, overlong penalty) against hand computations and properties."""
+
+import math
+
+import pytest
+import torch
+
+from train_grpo import (
+    ADVANTAGE_ESTIMATORS,
+    aggregate_loss,
+    compute_advantages,
+    kl_penalty,
+    overlong_penalty,
+    policy_loss,
+    tis_weights,
+)
+
+
+def test_dr_grpo_is_centred_without_std_division():
+    """Guards against Dr. GRPO still dividing by the group std (or not summing to zero per group)."""
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.5, 2.0])
+    adv = compute_advantages(scores, 3, "dr_grpo")
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, -0.5, -0.5, 1.0]))
+    torch.testing.assert_close(adv.view(2, 3).sum(1), torch.zeros(2), atol=1e-6, rtol=0)
+
+
+def test_rloo_is_score_minus_leave_one_out_mean():
+    """Guards against RLOO including the sample itself in its own baseline."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(12, generator=g)
+    adv = compute_advantages(scores, 4, "rloo")
+    for i in range(12):
+        group = scores[i // 4 * 4 : i // 4 * 4 + 4]
+        others = (group.sum() - scores[i]) / 3
+        assert adv[i].item() == pytest.approx((scores[i] - others).item(), abs=1e-6)
+
+
+def test_reinforce_pp_whitens_over_the_batch():
+    """Guards against REINFORCE++ normalising per group (it whitens over the whole batch)."""
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0, 3.0, 3.0])
+    adv = compute_advantages(scores, 2, "reinforce_plus_plus")
+    expected = (scores - scores.mean()) / (scores.std() + 1e-6)
+    torch.testing.assert_close(adv, expected)
+    assert adv[:2].abs().sum() > 0  # a zero-variance group still gets a signal relative to the batch
+
+
+def test_grpo_passk_credits_only_the_best_by_its_margin():
+    """Guards against crediting every answer (plain GRPO) instead of the best one by its lead over the runner-up."""
+    scores = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 0.0])
+    adv = compute_advantages(scores, 3, "grpo_passk")
+    torch.testing.assert_close(adv, torch.tensor([0.0, 0.4, 0.0, 0.0, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("estimator", sorted(ADVANTAGE_ESTIMATORS))
+def test_groups_of_one_are_defined(estimator):
+    """Guards against NaN advantages when rollout.n=1."""
+    adv = compute_advantages(torch.tensor([1.0, 0.0, 0.5]), 1, estimator)
+    assert torch.isfinite(adv).all()
+    if estimator != "reinforce_plus_plus":  # batch whitening still compares samples across prompts
+        assert torch.equal(adv, torch.zeros(3))
+
+
+def test_abs_kl():
+    """Guards against a signed value where the 'abs' kind must be |logp - ref_logp|."""
+    assert kl_penalty(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0]), "abs").tolist() == [1.0, 2.0]
+
+
+def test_gspo_ratio_is_per_sequence():
+    """Guards against GSPO clipping per token: one sequence ratio (geometric mean) is clipped as a whole."""
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.3, -0.3, 0.0], [0.01, 0.01, 0.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0], [1.0]])
+    loss, clipped = policy_loss(logp, old, adv, clip_low=3e-4, clip_high=4e-4, mode="gspo", mask=mask)
+    # sequence 0: mean log-ratio 0 -> ratio 1, inside the clip: loss -1 at every token, gradient flows
+    torch.testing.assert_close(loss[0], torch.full((3,), -1.0))
+    assert not clipped[0].any()
+    # sequence 1: mean log-ratio over its 2 real tokens 0.01 -> ratio e^0.01 > 1 + 4e-4: clipped for A > 0
+    assert loss[1, 0].item() == pytest.approx(-(1 + 4e-4)) and clipped[1, :2].all()
+    (loss * mask).sum().backward()
+    assert logp.grad[0].abs().sum() > 0 and logp.grad[1].abs().sum() == 0
+
+
+def test_gspo_equals_ppo_gradient_at_ratio_one():
+    """Guards against a wrong GSPO gradient: at the old policy both give d loss / d logp = -A per token."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = policy_loss(logp, logp.detach().clone(), torch.tensor([[2.0]]), mode="gspo")
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, -2.0]]))
+
+
+def test_tis_weights_are_capped_ratios():
+    """Guards against an uncapped (exploding) importance weight or a flipped ratio."""
+    old = torch.tensor([[-1.0, -1.0, -5.0]])
+    rollout = torch.tensor([[-1.0, -2.0, -1.0]])
+    w = tis_weights(old, rollout, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, math.exp(-4.0)]]))
+
+
+def test_overlong_penalty_ramp():
+    """Guards against punishing answers inside the safe length, or past -factor at the limit."""
+    pen = overlong_penalty(torch.tensor([10, 60, 80, 100, 120]), max_length=100, buffer=40, factor=1.0)
+    torch.testing.assert_close(pen, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+
+
+def test_sum_norm_uses_a_fixed_horizon_across_micro_batches():
+    """Guards against Dr. GRPO's length normaliser following each micro-batch's padded width."""
+    loss = torch.ones(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    full = aggregate_loss(loss, mask, "seq-mean-token-sum-norm", horizon=8)
+    parts = aggregate_loss(loss[:1], mask[:1], "seq-mean-token-sum-norm", num_seqs=2, horizon=8) + aggregate_loss(
+        loss[1:, :1], mask[1:, :1], "seq-mean-token-sum-norm", num_seqs=2, horizon=8
+    )  # the second micro-batch is only 1 column wide
+    assert full.item() == pytest.approx((4 / 8 + 1 / 8) / 2) and parts.item() == pytest.approx(full.item())
