@@ -27,6 +27,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 import typing
@@ -117,7 +118,7 @@ class TrainerConfig:
     val_freq: int = 5  # validate every this many steps; 0 = never
     val_before_train: bool = True
     save_freq: int = 5  # checkpoint every this many steps; 0 = never
-    save_limit: int = 3  # keep the newest N checkpoints
+    save_limit: int = 3  # keep the newest N checkpoints; 0 keeps all
     resume: str = "auto"  # auto | none | PATH
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl (jsonl is always on)
     seed: int = 1
@@ -554,6 +555,22 @@ class MetricsLogger:
         self.enabled, self.total_steps, self.console = enabled, total_steps, "console" in loggers
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
 
+    def drop_steps_after(self, step):
+        """A resumed run reruns the steps after its checkpoint: drop their old lines, so the file reads like one
+        uninterrupted run. Truncating in place is safe: the file is open for appending, and appends go to its end."""
+        if not self.enabled:
+            return
+        with open(self.file.name, "r+") as f:
+            keep = 0
+            for line in iter(f.readline, ""):
+                try:
+                    if json.loads(line)["step"] > step:
+                        break
+                except ValueError:  # a line cut short when the run was killed
+                    break
+                keep = f.tell()
+            f.truncate(keep)
+
     def log(self, step, metrics):
         if not self.enabled:
             return
@@ -593,6 +610,167 @@ def save_hf(model, processor, out_dir):
         model.save_pretrained(out_dir, state_dict=state)
         processor.save_pretrained(out_dir)
     dist.barrier()
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoints: <output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each
+# rank writes its own), rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data
+# position, LR schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a
+# directory named step_N is complete, anything else is a save that was killed midway.
+
+
+def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
+    """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones."""
+    import random
+    import shutil
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    rank, root = dist.get_rank(), os.path.join(output_dir, "checkpoints")
+    tmp, final = os.path.join(root, f".tmp-step_{step}"), os.path.join(root, f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the remains of an earlier save of this step that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    reshard(model)  # save the DTensor shards, never FSDP2's temporary unsharded root params
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    rank_state = {
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
+    }
+    torch.save(rank_state, os.path.join(tmp, f"rank_{rank}.pt"))
+    dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+    if rank == 0:
+        # The sampler's order is a pure function of (trainer.seed, epoch): epoch and position restore it exactly.
+        trainer_state = {"step": step, "epoch": epoch, "position": position, "world_size": dist.get_world_size()}
+        trainer_state.update(scheduler=scheduler.state_dict(), config=config_to_dict(cfg))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)  # a step_N of an earlier run in this directory (resume=none)
+        os.rename(tmp, final)  # atomic: from here on the checkpoint exists, complete
+        prune_checkpoints(root, cfg.trainer.save_limit, keep=final)
+        size = sum(e.stat().st_size for e in os.scandir(final))
+        print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
+    dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints as [(step, path)], oldest first, and the paths of incomplete ones."""
+    root = os.path.join(output_dir, "checkpoints")
+    complete, incomplete = [], []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name) if os.path.isdir(root) else []:
+        name = entry.name
+        if name.startswith("step_") and name[5:].isdigit() and is_complete_checkpoint(entry.path):
+            complete.append((int(name[5:]), entry.path))
+        elif name.startswith((".tmp-step_", "step_")):
+            incomplete.append(entry.path)
+    return sorted(complete), incomplete
+
+
+def is_complete_checkpoint(path):
+    return all(os.path.exists(os.path.join(path, f)) for f in (".metadata", "trainer_state.json"))
+
+
+def prune_checkpoints(root, limit, keep):
+    """Keep the newest `limit` complete checkpoints (0 keeps all), always including `keep`, the one just written;
+    remove leftovers of saves that were killed midway."""
+    import shutil
+
+    complete, incomplete = list_checkpoints(os.path.dirname(root))
+    others = [path for _, path in reversed(complete) if path != keep]
+    doomed = others[max(limit - 1, 0) :] if limit > 0 else []
+    for path in doomed + [p for p in incomplete if os.path.basename(p).startswith(".tmp-")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def find_resume_checkpoint(output_dir, resume):
+    """trainer.resume: auto = the newest complete checkpoint in output_dir (None if there is none), none = None,
+    or a checkpoint path, which must be complete. Rank 0 decides and tells the others, so all load the same one."""
+    choice = [None]
+    if dist.get_rank() == 0:
+        complete, incomplete = list_checkpoints(output_dir)
+        if resume == "auto":
+            for path in incomplete:
+                print(f"warning: skipping incomplete checkpoint {path} (a save that did not finish)", flush=True)
+            choice[0] = complete[-1][1] if complete else None
+        elif resume != "none":
+            if not is_complete_checkpoint(resume) or os.path.basename(os.path.normpath(resume)).startswith(".tmp-"):
+                raise SystemExit(f"trainer.resume={resume}: not a complete checkpoint (a save that did not finish?)")
+            choice[0] = resume
+        elif complete:
+            print(f"warning: trainer.resume=none: starting fresh; the checkpoints in {output_dir} will be replaced")
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
+    """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
+    import random
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    reshard(model)  # load into the DTensor shards the optimizer owns
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)  # each rank reads only its own shards, resharded if the world size changed
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)
+    step, epoch, position = saved["step"], saved["epoch"], saved["position"]
+    scheduler.load_state_dict(saved["scheduler"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if saved["world_size"] != world:
+        # position counts prompts of this rank's shard: keep the number of steps done in the epoch instead
+        old_per_rank = saved["config"]["data"]["rollout_batch_size"] // saved["world_size"]
+        position = position // old_per_rank * (cfg.data.rollout_batch_size // world)
+        print0(f"warning: checkpoint written by {saved['world_size']} ranks, resumed on {world}: "
+               "the data order and random streams differ from an uninterrupted run")  # fmt: skip
+    rank_file = os.path.join(path, f"rank_{rank}.pt")
+    if os.path.exists(rank_file):
+        rank_state = torch.load(rank_file, weights_only=False)  # our own file; holds numpy RNG arrays
+        random.setstate(rank_state["python_rng"])
+        np.random.set_state(rank_state["numpy_rng"])
+        torch.set_rng_state(rank_state["torch_rng"])
+        if rank_state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rank_state["cuda_rng"])
+        scorer.n_timeouts = rank_state["reward_counters"]["n_timeouts"]
+        scorer.n_errors = rank_state["reward_counters"]["n_errors"]
+    print0(
+        f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
+        f"index {position} of this epoch's shard on each rank; next step {step + 1}"
+    )
+    return step, epoch, position
+
+
+class StopSignal:
+    """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C) only set a flag: the loop finishes its step, saves and
+    exits with 128 + the signal number (143, 130), which shells, Slurm and torchrun report as killed by that signal.
+    A repeated signal changes nothing: torchrun forwards the one the terminal or Slurm already sent to every rank."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum  # no print here: a handler that interrupts a print would raise a reentrant-call error
+
+    def agreed(self):
+        """Collective: the signal any rank got, else 0. All ranks must stop at the same step, or the ones that went on
+        would hang in the next step's collectives."""
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
 
 
 def resolve_path(path: str) -> str:
@@ -835,9 +1013,17 @@ def main(argv=None):
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size
 
-    step, epoch, position = 0, 0, 0
-    if val_set is not None and cfg.trainer.val_before_train:
+    step, epoch, position, stop_signum = 0, 0, 0, 0
+    checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
+    if checkpoint:
+        step, epoch, position = load_checkpoint(checkpoint, model, optimizer, scheduler, scorer, cfg)
+        logger.drop_steps_after(step)  # they are about to be rerun
+    stop = StopSignal()  # from here on SIGTERM/SIGINT finish the step, save and exit
+    if val_set is not None and cfg.trainer.val_before_train and step == 0:
+        engine.wake()
+        engine.sync_weights(model)  # an engine with its own weights must validate the trainer's (here: resumed ones)
         logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world))
+        engine.sleep()
         reshard(model)
 
     while step < total_steps:
@@ -943,12 +1129,26 @@ def main(argv=None):
             reshard(model)
         logger.log(step, metrics)
 
-    save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))
-    print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
+        # ------------------------------------------------------------------------------------------- checkpoint
+        stop_signum = stop.agreed()  # every rank reaches this once per step
+        freq = cfg.trainer.save_freq
+        if freq > 0 and (step % freq == 0 or step == total_steps or stop_signum):
+            save_checkpoint(cfg.trainer.output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg)
+        if stop_signum:
+            break
+
+    if stop_signum:
+        saved = "saved its checkpoint; rerun the same command to resume" if cfg.trainer.save_freq > 0 else (
+            "no checkpoint (trainer.save_freq=0)")  # fmt: skip
+        name = signal.Signals(stop_signum).name
+        print0(f"stopped by {name} after step {step}: {saved}; exit code {128 + stop_signum}")
+    else:
+        save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))
+        print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return 128 + stop_signum if stop_signum else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""Checkpoints: exact resume, saves killed midway, save_limit, epoch boundaries, stop signals, Hugging Face export.
+
+The runs are 2 ranks under torchrun on CPU with the tiny Qwen2.5-VL: 16 synthetic prompts and 4 prompts per step make
+4 steps per epoch, so a 6-step run crosses an epoch boundary after step 4.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import REPO, torchrun
+
+import train_grpo
+
+# The metrics a resumed run must reproduce exactly. Every one of them is a function of the weights, optimizer state,
+# LR schedule, data position and sampling seeds, computed on CPU with the same ops in the same order, so they are
+# bitwise equal unless some state was lost. Timings and throughput (time/*, perf/*) are not deterministic.
+DETERMINISTIC_KEYS = [
+    "epoch", "reward/overall", "reward/accuracy", "reward/format", "actor/pg_loss", "actor/kl", "actor/entropy",
+    "actor/clip_frac", "actor/grad_norm", "actor/lr", "actor/skipped_steps", "response_length/mean",
+    "response_length/max", "response_length/clip_ratio", "reward/timeouts", "reward/errors",
+]  # fmt: skip
+
+
+def run_args(model_dir, data, out_dir, *overrides, engine="hf"):
+    # warmup over 8 optimizer steps makes the LR change every step, so a schedule that is not restored shows up
+    return [
+        "train_grpo.py", "configs/tiny.yaml", f"rollout.engine={engine}", f"actor.model_path={model_dir}",
+        f"data.train_files={data}", "data.val_files=", "data.rollout_batch_size=4", "rollout.n=4",
+        "actor.global_batch_size=4", "actor.micro_batch_size=8", "actor.micro_batch_size_no_grad=8",
+        "actor.lr_warmup_steps=8", f"trainer.output_dir={out_dir}", *overrides,
+    ]  # fmt: skip
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def checkpoints(out_dir):
+    return sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """6 uninterrupted steps, a checkpoint every 2, keeping 2: the reference the other runs are compared with."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    tmp = tmp_path_factory.mktemp("ckpt")
+    data = make_geo3k_like(str(tmp / "train.parquet"), n_rows=16, seed=0)
+    out = tmp / "uninterrupted"
+    overrides = ["trainer.max_steps=6", "trainer.save_freq=2", "trainer.save_limit=2"]
+    torchrun(2, *run_args(tiny_model_dir, data, out, *overrides))
+    return data, str(out)
+
+
+def test_save_limit_keeps_the_newest_n(uninterrupted):
+    """Guards against pruning that keeps too many checkpoints, too few, or the wrong ones."""
+    _, out = uninterrupted
+    assert checkpoints(out) == ["step_4", "step_6"]
+
+
+def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
+    """Guards against a save into a directory holding newer checkpoints (resume=PATH/none) deleting itself."""
+    root = tmp_path / "checkpoints"
+    for name in ["step_2", "step_8", "step_10", "step_4", ".tmp-step_3"]:
+        (root / name).mkdir(parents=True)
+        if not name.startswith(".tmp"):
+            (root / name / ".metadata").touch()
+            (root / name / "trainer_state.json").touch()
+    train_grpo.prune_checkpoints(str(root), limit=2, keep=str(root / "step_4"))
+    assert sorted(os.listdir(root)) == ["step_10", "step_4"]
+
+
+def test_resume_after_a_killed_save_matches_uninterrupted_run(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against any state (weights, optimizer, LR schedule, data position, RNG, metrics file) not surviving a
+    stop, and against auto-resume loading a save that was killed before it completed."""
+    data, reference = uninterrupted
+    out = tmp_path / "stopped"
+    torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=5", "trainer.save_freq=3"))
+    # A kill during the save of step 5 leaves its temp directory with some shards and no trainer state. The run had
+    # also logged steps 4 and 5, past the last complete checkpoint (step 3).
+    root = out / "checkpoints"
+    os.rename(root / "step_5", root / ".tmp-step_5")
+    os.remove(root / ".tmp-step_5" / "trainer_state.json")
+    os.remove(root / ".tmp-step_5" / "__1_0.distcp")
+
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", "trainer.save_freq=3"))
+    assert "skipping incomplete checkpoint" in stdout and ".tmp-step_5" in stdout
+    assert f"resumed from {root / 'step_3'}" in stdout and "step 3, epoch 0, index 6" in stdout
+    resumed, expected = metrics(out), metrics(reference)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # the stale lines of steps 4-5 were replaced
+    for got, want in zip(resumed, expected):
+        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+    assert checkpoints(out) == ["step_3", "step_6"]  # the killed save's leftovers are gone
+
+
+def test_resume_exactly_at_an_epoch_boundary(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against a resume after an epoch's last step skipping an epoch, repeating one, or stopping early."""
+    data, reference = uninterrupted
+    checkpoint = os.path.join(reference, "checkpoints", "step_4")  # after step 4 of 4 in epoch 0
+    out = tmp_path / "from_step_4"
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", f"trainer.resume={checkpoint}"))
+    assert "step 4, epoch 0, index 8" in stdout
+    resumed, expected = metrics(out), metrics(reference)[4:]
+    assert [r["step"] for r in resumed] == [5, 6] and [r["epoch"] for r in resumed] == [1, 1]
+    for got, want in zip(resumed, expected):
+        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+
+
+def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
+    """Guards against a stop signal killing the run mid-step, losing the steps since the last save, or ranks
+    disagreeing on the step to stop at (a hang)."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
+    out = tmp_path / "signalled"
+    # reward.timeout=0 scores in the rank itself: reward.py's grading workers do not survive a signal sent to the
+    # rank's process group yet (torchrun signals each rank's whole group).
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=50", "trainer.save_freq=100", "reward.timeout=0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to every rank, as on Ctrl-C or scancel
+    proc.wait(timeout=120)
+    stdout = "".join(lines)
+    stopped = [line for line in lines if line.startswith("stopped by SIGTERM after step")]
+    assert stopped and "saved its checkpoint" in stopped[0] and "exit code 143" in stopped[0], stdout[-3000:]
+    assert proc.returncode != 0
+    step = int(stopped[0].split()[5].rstrip(":"))  # "stopped by SIGTERM after step 3: ..."
+    assert 2 <= step < 50
+    assert checkpoints(out) == [f"step_{step}"]
+    assert train_grpo.is_complete_checkpoint(str(out / "checkpoints" / f"step_{step}"))
+    assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
+
+
+def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against an export that renames weights, misses the processor or chat template, or exports weights other
+    than the checkpoint's: exporting the last checkpoint must give the files training wrote to <output_dir>/hf."""
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from scripts.export_hf import export_checkpoint
+
+    _, reference = uninterrupted
+    out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
+    final = os.path.join(reference, "hf")
+    assert sorted(os.listdir(out)) == sorted(os.listdir(final))
+    for name in os.listdir(final):
+        with open(os.path.join(out, name), "rb") as a, open(os.path.join(final, name), "rb") as b:
+            assert a.read() == b.read(), name
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert sorted(exported) == sorted(initial)  # the original checkpoint's naming
+    assert not torch.equal(exported["lm_head.weight"], initial["lm_head.weight"])  # trained weights, not the base's
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
+    processor = AutoProcessor.from_pretrained(out)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Find x."}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[prompt], return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
+
+
+def test_export_loads_with_vllm(uninterrupted, tmp_path):
+    """Guards against an export vLLM cannot load as is, or loads with different weights than transformers."""
+    pytest.importorskip("vllm")
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from scripts.export_hf import export_checkpoint
+
+    _, reference = uninterrupted
+    out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
+    result_path = tmp_path / "vllm.json"
+    proc = subprocess.run(
+        [sys.executable, "tests/export_vllm_check.py", out, str(result_path)], cwd=REPO, capture_output=True,
+        text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads(result_path.read_text())
+    assert len(result["text_tokens"]) == 8 and len(result["image_tokens"]) == 8
+
+    # transformers scores vLLM's tokens with the same weights: the log-probs must agree (fp32, text only)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
+    ids = torch.tensor([result["prompt_ids"] + result["text_tokens"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(result["prompt_ids"]) - 1 : -1]  # (8, V)
+    logp = logits.log_softmax(-1).gather(-1, torch.tensor(result["text_tokens"])[:, None])[:, 0]  # (8,)
+    torch.testing.assert_close(logp, torch.tensor(result["text_logprobs"]), rtol=0, atol=1e-4)
