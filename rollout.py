@@ -2,17 +2,20 @@
 
 The loop in train_grpo.py only calls the engine interface below, so engines plug in without touching it:
 
-    engine = make_engine(cfg, model, processor)
+    engine = make_engine(cfg, processor)                 # right after init_process_group, before the model loads
     engine.wake(); engine.sync_weights(model)            # bring the engine up to the trainer's weights
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
     engine.sleep()                                       # give memory back to training
+    engine.timings                                       # seconds of the last wake / weight sync / sleep
 
 `hf` samples with the (FSDP2-sharded) training model itself: no second copy of the weights, nothing to sync,
-slow. The in-process vLLM engine is the fast path.
+slow. `vllm` runs a vLLM engine inside every torchrun rank (the fast path, see VLLMEngine).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -95,13 +98,11 @@ class HFEngine:
     """Samples with the training model's own `generate`. Under FSDP2 every forward is a collective, so every rank
     must generate together (`synced_gpus` keeps finished ranks stepping until all are done)."""
 
-    def __init__(self, model, processor):
-        self.model, self.tokenizer = model, processor.tokenizer
+    def __init__(self, cfg, processor):
+        self.model, self.tokenizer = None, processor.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
-        eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.forbidden = vision_token_ids(self.tokenizer)
-        self.image_token_id = model.config.image_token_id
+        self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
 
     def wake(self):
         pass
@@ -110,7 +111,11 @@ class HFEngine:
         pass
 
     def sync_weights(self, model):
-        pass  # it samples with the training model itself
+        # it samples with the training model itself: "syncing" is pointing at it
+        self.model = model
+        eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.image_token_id = model.config.image_token_id
 
     @torch.no_grad()
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
@@ -166,8 +171,191 @@ class HFEngine:
         return samples
 
 
-ENGINES = {"hf": HFEngine}
+def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:
+    """The processor expands each image's single <|image_pad|> into one per image token; vLLM wants the single
+    one back (it expands it again itself, and expanding an expanded prompt corrupts it)."""
+    return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
 
 
-def make_engine(cfg, model, processor):
-    return ENGINES[cfg.rollout.engine](model, processor)
+def request_seed(member_seed: int, prompt: int, n: int) -> int:
+    """Per-request seed: a prompt's n samples draw from seed .. seed + n - 1 (vLLM gives the i-th of n seed + i),
+    so every (step, rank, prompt, sample) has its own stream and a resumed run samples what an uninterrupted one
+    would have sampled."""
+    return (member_seed * 1_000_003 + prompt * n) % 2**63
+
+
+class VLLMEngine:
+    """A vLLM `LLM` inside each torchrun rank (`external_launcher`: no extra processes, no Ray).
+
+    `rollout.tensor_parallel_size` = tp groups contiguous ranks [0..tp), [tp..2tp), ... into one engine sharded
+    over them; vLLM requires every member to submit identical requests, so `generate` gathers the group's prompts,
+    all members generate all of them (same seeds), and each keeps its own slice. Groups are data-parallel replicas.
+
+    The engine loads the checkpoint from disk at start (not `load_format="dummy"`): non-parameter state that vLLM
+    computes at load time, such as the rotary tables of the vision tower, is then right, and only parameters need
+    to be streamed at each sync. vLLM itself saves and restores buffers across a level-2 sleep (gpu_worker.sleep).
+    """
+
+    def __init__(self, cfg, processor):
+        # in-process engine core; vLLM reads this when it is imported and when the engine starts
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        r, d = cfg.rollout, cfg.data
+        rank = dist.get_rank()
+        self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
+        on_cuda = torch.cuda.is_available()
+        self.tokenizer = processor.tokenizer
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
+        self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer)}
+        # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
+        self.sleep_level = r.sleep_level if on_cuda else 0
+        if r.sleep_level and not on_cuda and rank == 0:
+            print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
+        self.dtype = torch.bfloat16 if on_cuda else torch.float32  # the trainer computes in bf16 on GPU, fp32 on CPU
+        max_model_len = d.max_prompt_length + d.max_response_length
+        if on_cuda:
+            platform = {"gpu_memory_utilization": r.gpu_memory_utilization}
+        else:
+            platform = {
+                # on CPU a utilization would be a share of the host's RAM: size the KV cache explicitly
+                "kv_cache_memory_bytes": r.cpu_kv_cache_bytes,
+                # vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset") when it rewinds a seeded
+                # request's generator after a partial prefill: schedule every prompt whole instead
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, 8192),
+            }
+        self.llm = LLM(
+            model=cfg.actor.model_path,
+            dtype=self.dtype,
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=self.tp,
+            seed=cfg.trainer.seed + rank // self.tp,  # one engine seed per TP group
+            enable_sleep_mode=self.sleep_level > 0,
+            enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
+            max_model_len=max_model_len,
+            max_num_seqs=r.max_num_seqs,
+            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": 0},
+            # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
+            mm_processor_kwargs={"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}},
+            # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
+            # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
+            # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
+            logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
+            **platform,
+        )
+        # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
+        # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.
+        self.llm.llm_engine.engine_core._finalizer.detach()
+        self.tp_group = dist.new_subgroups(group_size=self.tp)[0] if self.tp > 1 else None
+        self.asleep = set()  # the sleeping parts: "weights", "kv_cache"
+        self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
+        self.sleep()  # give the memory back until the first rollout, so the trainer can load its model
+
+    def _wake(self, tags):
+        tags = [t for t in tags if t in self.asleep]
+        if tags:
+            t0 = time.perf_counter()
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
+            self.timings["time/wake"] += time.perf_counter() - t0
+
+    def wake(self):
+        self.timings = dict.fromkeys(self.timings, 0.0)
+        self._wake(["weights"])  # the KV cache comes back after the sync, so the sync's full tensors fit beside it
+
+    def sleep(self):
+        if self.sleep_level:
+            t0 = time.perf_counter()
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = {"weights", "kv_cache"}
+            self.timings["time/sleep"] = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def sync_weights(self, model):
+        """Stream the trainer's parameters into vLLM one tensor at a time: all-gather one FSDP2 shard, cast, load,
+        drop it. Never a full state dict on one rank. Every rank must call this (each all-gather is collective)."""
+        self._wake(["weights"])
+        t0 = time.perf_counter()
+
+        def weights():
+            for name, param in model.named_parameters():  # parameters only: see the class docstring on buffers
+                # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
+                shard = param.detach().to(self.dtype)
+                full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+                yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), full
+
+        # With an iterator reload_weights re-runs vLLM's post-load processing (CPU repacks weights); WITHOUT one it
+        # would reload the checkpoint from disk and silently drop the sync.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        # Cached KV and vision-encoder outputs belong to the old weights. reload_weights empties the runner's encoder
+        # cache but not the scheduler's record of it, which then skips re-encoding ("Encoder cache miss"): reset both.
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+        self.timings["time/weight_sync"] += time.perf_counter() - t0
+
+    def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
+        from vllm import SamplingParams as VSamplingParams
+
+        self._wake(["weights", "kv_cache"])
+        most_images = max((len(p.images) for p in prompts), default=0)
+        if most_images > self.max_images:
+            raise ValueError(f"a prompt has {most_images} images: raise rollout.max_images_per_prompt")
+        mine = [(collapse_image_pads(p.input_ids.tolist(), self.image_token_id), p.images) for p in prompts]
+        groups = [(mine, seed)]
+        if self.tp_group is not None:  # every member of a TP group must submit the same requests
+            groups = [None] * self.tp
+            dist.all_gather_object(groups, (mine, seed), group=self.tp_group)
+        requests, sampling = [], []
+        greedy = params.temperature <= 0
+        for member_prompts, member_seed in groups:
+            for i, (ids, images) in enumerate(member_prompts):
+                request = {"prompt_token_ids": ids}
+                if images:
+                    request["multi_modal_data"] = {"image": images}
+                requests.append(request)
+                sampling.append(
+                    VSamplingParams(
+                        n=n,
+                        temperature=0.0 if greedy else params.temperature,
+                        top_p=1.0 if greedy else params.top_p,
+                        top_k=0,  # off, as in the HF engine and the trainer's log-probs
+                        max_tokens=params.max_tokens,
+                        logprobs=0,  # the sampled token's log-prob only
+                        logit_bias=self.logit_bias,
+                        seed=request_seed(member_seed, i, n),
+                        detokenize=False,  # decoded below exactly as the HF engine does
+                    )
+                )
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        # the outputs follow the members' prompts in group order: keep this rank's own slice
+        member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        start = sum(len(member_prompts) for member_prompts, _ in groups[:member])
+        samples = []
+        for index, (prompt, out) in enumerate(zip(prompts, outputs[start : start + len(prompts)], strict=True)):
+            # vLLM expanded the image pads itself: the prompt must be token for token the one the trainer scores
+            if list(out.prompt_token_ids) != prompt.input_ids.tolist():
+                raise RuntimeError(
+                    f"vLLM's prompt ({len(out.prompt_token_ids)} tokens) differs from the trainer's "
+                    f"({len(prompt.input_ids)}): are rollout and trainer image pixel bounds the same?"
+                )
+            for completion in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                samples.append(Sample(
+                    prompt_index=index,
+                    response_ids=ids,
+                    logprobs=[completion.logprobs[t][tok].logprob for t, tok in enumerate(ids)],
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    truncated=completion.finish_reason == "length",
+                ))  # fmt: skip
+        return samples
+
+
+ENGINES = {"hf": HFEngine, "vllm": VLLMEngine}
+
+
+def make_engine(cfg, processor):
+    """Build the engine. Every rank must call it at the same point, right after init_process_group: vLLM's engine
+    start is collective and should see the device before the trainer takes memory."""
+    return ENGINES[cfg.rollout.engine](cfg, processor)

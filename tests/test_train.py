@@ -52,9 +52,9 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     val = make_geo3k_like(str(tmp_path / "val.parquet"), n_rows=8, seed=1)
     out_dir = tmp_path / "run"
     stdout = torchrun(
-        2, "train_grpo.py", "configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={train}",
-        f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=20", "trainer.val_freq=10",
-        "actor.lr=3e-3",
+        2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}",
+        f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=20",
+        "trainer.val_freq=10", "actor.lr=3e-3",
     )  # fmt: skip
     assert "step 20/20" in stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

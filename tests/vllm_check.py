@@ -1,0 +1,128 @@
+"""Drive the vLLM rollout engine against the FSDP2 trainer under torchrun and write what test_vllm.py checks.
+
+Every rank: start the engine (from the checkpoint on disk), load the trainer's model and perturb its weights (so the
+engine is stale until synced), sync, sample, and recompute the sampled tokens' log-probs with the trainer.
+
+    torchrun --nproc_per_node=2 tests/vllm_check.py MODEL_DIR OUT_DIR TENSOR_PARALLEL_SIZE
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+
+import rollout  # noqa: E402
+import train_grpo  # noqa: E402
+from data import set_pixel_range  # noqa: E402
+
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+
+
+def make_prompts(processor, rank, with_image):
+    """Four prompts that differ per rank (so a TP group really has different prompts to pool)."""
+    prompts = []
+    for i in range(4):
+        content = [{"type": "text", "text": f"Find x in figure {rank}-{i}."}]
+        images = []
+        if with_image:
+            img = Image.new("RGB", (60 + 30 * i, 90 - 10 * rank), "white")
+            ImageDraw.Draw(img).line((0, 0, 50, 70 - 10 * i), fill="black", width=3)
+            content.insert(0, {"type": "image"})
+            images = [img]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        out = processor(text=[text], images=images or None, return_tensors="pt")
+        prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), images))
+    return prompts
+
+
+def max_logprob_diff(model, prompts, samples, ids, temperature):
+    """max |engine log-prob - trainer log-prob| over all sampled tokens (one trainer forward, collective)."""
+    batch_inputs, response_ids, mask = rollout.collate(
+        [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], *ids
+    )
+    with torch.no_grad():
+        logp, _ = train_grpo.forward_logprobs(model, batch_inputs, response_ids, temperature)  # (B, T)
+    model.reshard()
+    engine_logp = torch.zeros_like(logp)
+    for row, s in enumerate(samples):
+        engine_logp[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return ((engine_logp - logp).abs() * mask).max().item()
+
+
+def count_vision_tokens(samples, vision_ids):
+    return sum(t in vision_ids for s in samples for t in s.response_ids)
+
+
+def main():
+    model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rank, world, device = train_grpo.setup_distributed()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    set_pixel_range(processor, MIN_PIXELS, MAX_PIXELS)
+    cfg = train_grpo.load_config(None, [
+        "rollout.engine=vllm", f"actor.model_path={model_dir}", f"rollout.tensor_parallel_size={tp}",
+        f"data.min_pixels={MIN_PIXELS}", f"data.max_pixels={MAX_PIXELS}", "data.max_prompt_length=512",
+        "data.max_response_length=16", f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_num_seqs=256",
+    ])  # fmt: skip
+    train_grpo.check_config(cfg, world)
+    engine = rollout.make_engine(cfg, processor)
+
+    model = train_grpo.load_model(model_dir, device, "sdpa")
+    with torch.no_grad():  # the same perturbation on every rank: the trainer now differs from the checkpoint
+        g = torch.Generator().manual_seed(123)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    train_grpo.apply_fsdp(model, device)
+    pad_id = processor.tokenizer.pad_token_id
+    train_grpo.root_forward(model, pad_id)
+    model.eval()
+    ids = (pad_id, model.config.image_token_id)
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)
+    text, image = make_prompts(processor, rank, False), make_prompts(processor, rank, True)
+    result = {}
+
+    # Before any sync the engine still holds the checkpoint's weights: the log-probs must disagree. The same images
+    # come again after the sync, whose encoder outputs vLLM must not reuse.
+    samples = engine.generate(image, 2, params, seed=rank)
+    result["diff_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0)
+
+    engine.wake()
+    engine.sync_weights(model)
+    seed = 1000 + rank  # what the loop passes: a different stream per rank
+    text_samples = engine.generate(text, 4, params, seed=seed)
+    image_samples = engine.generate(image, 4, params, seed=seed)
+    result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
+    result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
+    result["prompt_index"] = [s.prompt_index for s in image_samples]
+    result["image_samples"] = [s.response_ids for s in image_samples]
+    result["repeat_equal"] = [s.response_ids for s in engine.generate(image, 4, params, seed=seed)] == [
+        s.response_ids for s in image_samples
+    ]
+    result["other_seed_equal"] = [s.response_ids for s in engine.generate(image, 4, params, seed=seed + 1)] == [
+        s.response_ids for s in image_samples
+    ]
+
+    # Vision tokens: ~1.2% of this random model's vocabulary, so 8 x 32 x 16 tokens would hold dozens of them.
+    vision_ids = set(rollout.vision_token_ids(processor.tokenizer))
+    many = text + image
+    result["vision_tokens"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
+    bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
+    result["vision_tokens_unbiased"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
+    engine.logit_bias = bias
+    engine.sleep()
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
