@@ -24,6 +24,7 @@ Launch:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -101,6 +102,13 @@ class RolloutConfig:
     val_temperature: float = 0.6  # 0 = greedy
     val_top_p: float = 0.95
     val_n: int = 1
+    tensor_parallel_size: int = 1  # vllm: ranks per engine (contiguous); the groups are data-parallel replicas
+    gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
+    cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
+    sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
+    max_num_seqs: int = 256  # vllm: most sequences decoded together per engine
+    max_images_per_prompt: int = 1  # vllm reserves vision-encoder memory for this many images in one prompt
+    enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
 
 
 @dataclass
@@ -254,6 +262,18 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"{a.global_batch_size}/{world_size} x {r.n} = {seqs_per_rank} sequences per optimizer "
             f"step, which actor.micro_batch_size={a.micro_batch_size} must divide"
         )
+    if r.engine not in rollout.ENGINES:
+        raise ConfigError(f"rollout.engine={r.engine!r}; valid: {list(rollout.ENGINES)}")
+    if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.engine=vllm but vllm is not installed (see requirements*.txt), or use engine=hf")
+    if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks"
+        )
+    if r.tensor_parallel_size > 1 and r.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine=vllm")
+    if r.sleep_level not in (0, 1, 2):
+        raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
 
@@ -848,6 +868,12 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             t_len = mask.shape[1]
             logp, entropy = forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature, True)
             old = _stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
+            # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
+            # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
+            engine_logp = _stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
+            diff = (engine_logp - old).abs() * mask  # (B, T)
+            stats["rollout/logprob_diff_sum"] += diff.sum().item()
+            stats["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"], diff.max().item())
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
             pg, clipped = policy_loss(logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual)
             loss = aggregate_loss(pg, mask, a.loss_agg_mode, num_tokens, num_seqs)
@@ -950,6 +976,8 @@ def main(argv=None):
 
     d = cfg.data
     processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
+    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
+    engine = rollout.make_engine(cfg, processor)
     # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
     dataset_kwargs = dict(
         prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
@@ -1006,7 +1034,6 @@ def main(argv=None):
         [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
-    engine = rollout.make_engine(cfg, model, processor)
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0)
     r = cfg.rollout
     train_params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
@@ -1044,10 +1071,13 @@ def main(argv=None):
         engine.wake()
         engine.sync_weights(model)
         seed = cfg.trainer.seed * 1_000_003 + step * world + rank  # a distinct, reproducible stream per step and rank
+        t_gen = time.perf_counter()
         samples = engine.generate(prompts, r.n, train_params, seed=seed)
+        timings["time/generate"] = time.perf_counter() - t_gen
         engine.sleep()
         reshard(model)
         timings["time/rollout"] = time.perf_counter() - t0
+        timings.update(engine.timings)  # time/wake, time/weight_sync, time/sleep
 
         # ----------------------------------------------------------------------------------------------- reward
         t0 = time.perf_counter()
@@ -1077,6 +1107,8 @@ def main(argv=None):
                 "actor/clip_frac",
                 "actor/skipped_steps",
                 "actor/optimizer_steps",
+                "rollout/logprob_diff_sum",
+                "rollout/logprob_diff_max",
             ],
             0.0,
         )
@@ -1102,6 +1134,12 @@ def main(argv=None):
         shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
         metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
         metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
+        # |engine - trainer| log-prob of the sampled tokens, per response token of the whole batch
+        diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
+        metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
+        metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+        # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
+        gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
         tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
         metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
         metrics.update(
@@ -1117,6 +1155,7 @@ def main(argv=None):
         timings["time/step"] = time.perf_counter() - t_step
         metrics.update(max_over_ranks(timings))
         metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
+        metrics["perf/rollout_tokens_per_s"] = gen_tokens / metrics["time/generate"]
 
         # --------------------------------------------------------------------------------------------- validate
         if (
@@ -1125,7 +1164,10 @@ def main(argv=None):
             and (step % cfg.trainer.val_freq == 0 or step == total_steps)
         ):
             model.eval()
+            engine.wake()
+            engine.sync_weights(model)  # the weights this step's update produced
             metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world))
+            engine.sleep()
             reshard(model)
         logger.log(step, metrics)
 
