@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test demo lint tiny-assets clean
+.PHONY: venv test demo bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -29,6 +29,11 @@ tiny-assets: venv
 
 demo: tiny-assets
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml
+
+# vLLM vs the training-model engine on the demo's prompts (128 new tokens each), and the weight-sync time
+bench: tiny-assets
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) bench/bench_rollout.py configs/tiny.yaml \
+		data.max_response_length=128
 
 lint: venv
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
