@@ -267,9 +267,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed (see requirements*.txt), or use engine=hf")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
-        raise ConfigError(
-            f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks"
-        )
+        raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks")
     if r.tensor_parallel_size > 1 and r.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine=vllm")
     if r.sleep_level not in (0, 1, 2):
