@@ -70,3 +70,22 @@ def test_cli_fails_on_bad_config_before_loading_anything(capsys):
     """Guards against a bad key surfacing only after minutes of model loading."""
     assert main(["configs/tiny.yaml", "actor.model_path=/nonexistent", "rollout.nn=3"]) == 2
     assert "rollout.nn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.engine=sglang"], r"rollout\.engine='sglang'; valid: \['hf', 'vllm'\]"),
+        (["rollout.engine=vllm", "rollout.tensor_parallel_size=3"], r"tensor_parallel_size=3 must divide the 4 ranks"),
+        (["rollout.engine=hf", "rollout.tensor_parallel_size=2"], "needs rollout.engine=vllm"),
+        (["rollout.engine=vllm", "rollout.sleep_level=3"], r"sleep_level=3; valid: 0 \(never sleep\), 1, 2"),
+    ],
+)
+def test_rollout_engine_settings_that_cannot_work(overrides, message):
+    """Guards against an engine setting that would only fail inside vLLM, minutes in (or hang: a TP group that
+    straddles the ranks never completes its collectives)."""
+    cfg = load_config(None, ["data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=2", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg, world_size=4)
+    cfg.rollout.engine, cfg.rollout.tensor_parallel_size, cfg.rollout.sleep_level = "vllm", 2, 2
+    check_config(cfg, world_size=4)
