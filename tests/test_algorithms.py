@@ -112,3 +112,46 @@ def test_sum_norm_uses_a_fixed_horizon_across_micro_batches():
         loss[1:, :1], mask[1:, :1], "seq-mean-token-sum-norm", num_seqs=2, horizon=8
     )  # the second micro-batch is only 1 column wide
     assert full.item() == pytest.approx((4 / 8 + 1 / 8) / 2) and parts.item() == pytest.approx(full.item())
+
+
+OPTION_RUNS = {
+    "gspo_tis_kl_in_reward": [
+        "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward=true", "algorithm.tis_cap=2.0",
+        "actor.policy_loss=gspo", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4",
+        "actor.entropy_coef=1e-3", "actor.mask_truncated=true", "reward.overlong_buffer=4",
+        "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.ppo_epochs=2", "actor.global_batch_size=4",
+        "actor.micro_batch_size=8",
+    ],
+    "estimators_and_kl_kinds": [
+        "algorithm.adv_estimator=rloo", "algorithm.kl_penalty=abs", "actor.loss_agg_mode=seq-mean-token-mean",
+        "actor.freeze_vision_tower=true", "actor.gradient_checkpointing=false", "rollout.n=4",
+    ],
+    "no_reference_model": ["algorithm.kl_coef=0", "algorithm.adv_estimator=grpo_passk", "actor.lr_warmup_steps=3"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_RUNS))
+def test_non_default_options_run_end_to_end(name, tiny_model_dir, tmp_path):
+    """Guards against an option that validates but crashes or produces NaN in a real 2-rank step."""
+    import json
+
+    from scripts.make_synthetic_data import make_geo3k_like
+    from tests.test_train import torchrun
+
+    train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
+    out = tmp_path / "run"
+    torchrun(
+        2, "train_grpo.py", "configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={train}",
+        "data.val_files=", f"trainer.output_dir={out}", "trainer.max_steps=2", "data.rollout_batch_size=8",
+        "actor.global_batch_size=8", *OPTION_RUNS[name],
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
+    if name == "gspo_tis_kl_in_reward":
+        assert "rollout/tis_weight_mean" in rows[-1]
+        assert rows[-1]["actor/optimizer_steps"] == 4  # 2 ppo epochs x 2 mini-batches of 4 prompts
+    if name == "no_reference_model":
+        assert rows[-1]["actor/kl"] == 0.0

@@ -118,9 +118,8 @@ def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
     out = tmp_path / "signalled"
-    # reward.timeout=0 scores in the rank itself: reward.py's grading workers do not survive a signal sent to the
-    # rank's process group yet (torchrun signals each rank's whole group).
-    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=50", "trainer.save_freq=100", "reward.timeout=0")
+    # default reward settings: the grading worker processes must survive the signal torchrun sends the rank's group
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=50", "trainer.save_freq=100")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
