@@ -1027,11 +1027,73 @@ def resolve_path(path: str) -> str:
 # Phases of a step, each a named function so the loop in main() reads top to bottom.
 
 
-def score_samples(scorer, samples, examples):
-    """Reward every sample; returns the overall scores (N,) and per-key lists for logging."""
-    results = scorer.score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples])
-    scores = torch.tensor([r["overall"] for r in results], dtype=torch.float32)
-    return scores, results
+def next_indices(sampler, epoch, position, count):
+    """The next `count` prompts of this rank's shard; a new epoch (a new permutation) starts when the shard runs out."""
+    if position + count > len(sampler.indices(epoch)):
+        epoch, position = epoch + 1, 0
+    return sampler.indices(epoch)[position : position + count], epoch, position + count
+
+
+def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, position, cfg, step, timings):
+    """Sample and score this rank's share of the rollout batch.
+
+    With algorithm.online_filtering (DAPO dynamic sampling, https://arxiv.org/abs/2503.14476) a prompt group whose
+    mean `filter_key` is <= filter_low or >= filter_high (all wrong or all right: zero advantage) is dropped and more
+    prompts are drawn, in rounds that every rank takes together (generation can be collective) until every rank has
+    a full batch. Returns (examples, prompts, samples, results, stats), epoch, position.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alg, r = cfg.algorithm, cfg.rollout
+    need = cfg.data.rollout_batch_size // world
+    params = rollout.SamplingParams(r.temperature, r.top_p, cfg.data.max_response_length)
+    rounds = alg.max_filter_rounds if alg.online_filtering else 1
+    examples, prompts, samples, results = [], [], [], []
+    stats = {"rollout/filtered_groups": 0.0, "rollout/prompts_drawn": 0.0}
+    timings["time/generate"] = timings["time/reward"] = 0.0
+    have = torch.tensor([0])
+    for round_ in range(rounds):
+        indices, epoch, position = next_indices(sampler, epoch, position, need)
+        batch = [train_set[i] for i in indices]
+        batch_prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
+        # a distinct, reproducible stream per step, round and rank (resumed runs sample exactly the same)
+        seed = cfg.trainer.seed * 1_000_003 + step * world + rank + round_ * 10_000_019
+        t0 = time.perf_counter()
+        batch_samples = engine.generate(batch_prompts, r.n, params, seed=seed)
+        timings["time/generate"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        answers = [batch[s.prompt_index].answer for s in batch_samples]
+        batch_results = scorer.score([s.text for s in batch_samples], answers)
+        timings["time/reward"] += time.perf_counter() - t0
+        stats["rollout/prompts_drawn"] += len(batch)
+        for g in range(len(batch)):
+            group = batch_results[g * r.n : (g + 1) * r.n]
+            if alg.online_filtering:
+                if alg.filter_key not in group[0]:
+                    raise ConfigError(f"algorithm.filter_key={alg.filter_key!r} is not a reward key: {list(group[0])}")
+                mean = sum(x[alg.filter_key] for x in group) / r.n
+                if mean <= alg.filter_low or mean >= alg.filter_high:
+                    stats["rollout/filtered_groups"] += 1
+                    continue
+            if len(examples) < need:
+                for s in batch_samples[g * r.n : (g + 1) * r.n]:
+                    s.prompt_index = len(examples)
+                    samples.append(s)
+                examples.append(batch[g])
+                prompts.append(batch_prompts[g])
+                results.extend(group)
+        # every rank must take the same number of rounds: continue until the rank with the fewest groups is full
+        have = torch.tensor([len(examples)])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if have.item() >= need:
+            break
+    else:
+        raise RuntimeError(
+            f"dynamic sampling: only {have.item()} of the {need} prompt groups a rank needs passed the filter "
+            f"({alg.filter_key} mean in ({alg.filter_low}, {alg.filter_high})) after {rounds} rounds of {need} "
+            f"prompts; raise algorithm.max_filter_rounds or widen filter_low/filter_high"
+        )
+    stats["rollout/filter_rounds"] = round_ + 1.0
+    return (examples, prompts, samples, results, stats), epoch, position
 
 
 def compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old):
@@ -1305,7 +1367,6 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     r = cfg.rollout
-    train_params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size or cfg.algorithm.kl_in_reward
 
@@ -1328,30 +1389,20 @@ def main(argv=None):
         timings = {}
         model.eval()
 
-        # ---------------------------------------------------------------------------------------------- rollout
-        shard = sampler.indices(epoch)
-        if position + prompts_per_rank > len(shard):
-            epoch, position = epoch + 1, 0
-            shard = sampler.indices(epoch)
-        examples = [train_set[i] for i in shard[position : position + prompts_per_rank]]
-        position += prompts_per_rank
-        prompts = [rollout.encode_prompt(processor, ex) for ex in examples]
+        # ------------------------------------------------------------------------------------- rollout + reward
+        # (scored as they come: dynamic sampling decides from the rewards whether to draw more prompts)
         t0 = time.perf_counter()
         engine.wake()
         engine.sync_weights(model)
-        seed = cfg.trainer.seed * 1_000_003 + step * world + rank  # a distinct, reproducible stream per step and rank
-        t_gen = time.perf_counter()
-        samples = engine.generate(prompts, r.n, train_params, seed=seed)
-        timings["time/generate"] = time.perf_counter() - t_gen
+        batch, epoch, position = collect_rollouts(
+            engine, scorer, processor, train_set, sampler, epoch, position, cfg, step, timings
+        )
+        examples, prompts, samples, results, filter_stats = batch
+        scores = torch.tensor([x["overall"] for x in results], dtype=torch.float32)  # (N,)
         engine.sleep()
         reshard(model)
-        timings["time/rollout"] = time.perf_counter() - t0
+        timings["time/rollout"] = time.perf_counter() - t0 - timings["time/reward"]
         timings.update(engine.timings)  # time/wake, time/weight_sync, time/sleep
-
-        # ----------------------------------------------------------------------------------------------- reward
-        t0 = time.perf_counter()
-        scores, results = score_samples(scorer, samples, examples)
-        timings["time/reward"] = time.perf_counter() - t0
 
         # ------------------------------------------------------------------------------------ old/ref log-probs
         t0 = time.perf_counter()
@@ -1413,6 +1464,10 @@ def main(argv=None):
         diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
         metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
         metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+        if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
+            rounds = filter_stats.pop("rollout/filter_rounds")
+            metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
+            metrics["rollout/filter_rounds"] = rounds
         if cfg.algorithm.tis_cap > 0:
             tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
             tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))

@@ -155,3 +155,69 @@ def test_non_default_options_run_end_to_end(name, tiny_model_dir, tmp_path):
         assert rows[-1]["actor/optimizer_steps"] == 4  # 2 ppo epochs x 2 mini-batches of 4 prompts
     if name == "no_reference_model":
         assert rows[-1]["actor/kl"] == 0.0
+
+
+class _FakeEngine:
+    """Answers each prompt with n copies of its own problem text, so the fake scorer controls every group's score."""
+
+    def generate(self, prompts, n, params, seed):
+        from rollout import Sample
+
+        return [Sample(i, [1], [0.0], p.text, False) for i, p in enumerate(prompts) for _ in range(n)]
+
+
+class _FakeScorer:
+    def score(self, responses, answers):
+        # problems "right" score 1, "wrong" 0, "mixed" alternate: only mixed groups carry a learning signal
+        out = []
+        for k, text in enumerate(responses):
+            acc = {"right": 1.0, "wrong": 0.0}.get(text, float(k % 2))
+            out.append({"overall": acc, "accuracy": acc, "format": 0.0})
+        return out
+
+
+@pytest.fixture
+def single_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29731", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _filtering_run(problems, rounds):
+    from types import SimpleNamespace
+
+    import rollout
+    from data import ShardSampler
+    from train_grpo import collect_rollouts, load_config
+
+    cfg = load_config(None, ["data.rollout_batch_size=4", "rollout.n=2", "algorithm.online_filtering=true",
+                             f"algorithm.max_filter_rounds={rounds}"])  # fmt: skip
+    train_set = [SimpleNamespace(problem=p, answer="", text=p) for p in problems]
+    processor = None
+    encode = rollout.encode_prompt
+    rollout.encode_prompt = lambda proc, ex: SimpleNamespace(text=ex.problem)
+    try:
+        sampler = ShardSampler(len(train_set), 0, 1, seed=0, shuffle=False)
+        return collect_rollouts(_FakeEngine(), _FakeScorer(), processor, train_set, sampler, 0, 0, cfg, 1, {})
+    finally:
+        rollout.encode_prompt = encode
+
+
+def test_online_filtering_fills_the_batch_with_informative_groups(single_rank_group):
+    """Guards against dynamic sampling returning a short batch, or keeping all-right/all-wrong groups."""
+    problems = ["right", "mixed", "wrong", "wrong", "mixed", "right", "mixed", "wrong"] * 2
+    (examples, prompts, samples, results, stats), epoch, position = _filtering_run(problems, rounds=8)
+    assert [ex.problem for ex in examples] == ["mixed"] * 4
+    assert len(samples) == 8 and [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    # the 4th informative group is at index 9: 3 rounds of 4 prompts, 8 groups dropped
+    assert stats["rollout/filter_rounds"] == 3 and stats["rollout/prompts_drawn"] == 12
+    assert stats["rollout/filtered_groups"] == 8
+    assert (epoch, position) == (0, 12)  # the data position moved past every prompt drawn
+
+
+def test_online_filtering_gives_up_with_a_clear_error(single_rank_group):
+    """Guards against an endless loop when no prompt is informative."""
+    with pytest.raises(RuntimeError, match=r"only 0 of the 4 prompt groups .* after 3 rounds.*max_filter_rounds"):
+        _filtering_run(["right", "wrong"] * 8, rounds=3)
