@@ -136,7 +136,7 @@ def test_non_default_options_run_end_to_end(name, tiny_model_dir, tmp_path):
     import json
 
     from scripts.make_synthetic_data import make_geo3k_like
-    from tests.test_train import torchrun
+    from tests.launch import torchrun
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
     out = tmp_path / "run"

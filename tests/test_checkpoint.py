@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
-from test_train import REPO, torchrun
 
 import train_grpo
+from tests.launch import REPO, torchrun
 
 # The metrics a resumed run must reproduce exactly. Every one of them is a function of the weights, optimizer state,
 # LR schedule, data position and sampling seeds, computed on CPU with the same ops in the same order, so they are

@@ -1,21 +1,10 @@
 """The vLLM rollout engine (vLLM's CPU build, in-process under torchrun) against the FSDP2 trainer."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(nproc, *args, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+from tests.launch import torchrun
 
 
 def _check(tiny_model_dir, tmp_path_factory, tp):
