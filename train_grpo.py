@@ -1374,7 +1374,8 @@ def main(argv=None):
     checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
     if checkpoint:
         step, epoch, position = load_checkpoint(checkpoint, model, optimizer, scheduler, scorer, cfg)
-        logger.drop_steps_after(step)  # they are about to be rerun
+    # steps after the checkpoint are about to be rerun; a fresh run into an old output_dir starts a fresh file
+    logger.drop_steps_after(step if checkpoint else -1)
     stop = StopSignal()  # from here on SIGTERM/SIGINT finish the step, save and exit
     if val_set is not None and cfg.trainer.val_before_train and step == 0:
         engine.wake()
