@@ -513,21 +513,64 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
 
 
+def _head_chunk(hidden, weight, labels, temperature, with_entropy):
+    logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
+    logp = token_logprobs(logits, labels, temperature)  # (C,)
+    return logp, entropy_from_logits(logits, temperature) if with_entropy else None  # (C,)
+
+
+def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True):
+    """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
+    equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
+    head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
+    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V) (issue 6)."""
+    h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, entropies = [], []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy)
+        if grad:
+            logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
+        else:
+            logp, entropy = _head_chunk(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    logp = torch.cat(logps).view_as(labels)  # (B, T)
+    return logp, torch.cat(entropies).view_as(labels) if with_entropy else None  # (B, T)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Forward passes. Batches come from rollout.collate: [left-padded prompt | right-padded response] per row.
 
 
 def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
-    """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked."""
+    """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked.
+
+    The full logits would be (B, T, 151936) fp32, 0.6 MB a token, so the LM head runs chunked (chunked_logprobs).
+    It must still run inside the root module's forward: under FSDP2 the root owns lm_head, and its weight is
+    all-gathered only between the root's pre- and post-forward hooks. So for this one call we swap lm_head's forward
+    for one that takes the hidden states of the last T+1 positions and returns the (B, T, 1 or 2) stack of log-prob
+    and entropy as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did."""
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
-    t_len = response_ids.shape[1]
-    logits = model(**inputs, use_cache=False, logits_to_keep=t_len + 1).logits[:, :-1]  # (B, T, V)
-    logp = token_logprobs(logits, response_ids.to(device), temperature)  # (B, T)
+    labels = response_ids.to(device)  # (B, T)
+    head = model.lm_head
+
+    def head_forward(hidden):  # hidden (B, T + 1, H): the position before each response token predicts it
+        logp, entropy = chunked_logprobs(hidden[:, :-1], head.weight, labels, temperature, with_entropy=with_entropy)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
+
+    head.forward = head_forward
+    try:
+        out = model(**inputs, use_cache=False, logits_to_keep=labels.shape[1] + 1).logits  # (B, T, 1 or 2)
+    finally:
+        del head.forward  # back to the class's nn.Linear.forward
+    logp = out[..., 0]  # (B, T)
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits, temperature)  # (B, T)
+        entropy = out[..., 1] if entropy_grad and torch.is_grad_enabled() else out[..., 1].detach()  # (B, T)
     return logp, entropy
 
 

@@ -1,0 +1,129 @@
+"""Chunked log-probs and entropy (no full (B, T, V) logits) against the plain full-logits computation."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rollout
+import train_grpo
+from train_grpo import chunked_logprobs, entropy_from_logits, token_logprobs
+
+
+def _naive(hidden, weight, labels, temperature):
+    logits = torch.nn.functional.linear(hidden, weight)  # (B, T, V)
+    return token_logprobs(logits, labels, temperature), entropy_from_logits(logits, temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [4, 7, 1000])
+def test_chunked_matches_naive_values_and_gradients(temperature, chunk_size):
+    """Guards against chunk-boundary bugs (a last partial chunk dropped or misaligned with its labels when B*T is
+    not a multiple of the chunk), a temperature applied in one path only, and a checkpointed chunk whose backward
+    loses the gradient of the hidden states or of the LM head weight."""
+    g = torch.Generator().manual_seed(0)
+    b, t, h, v = 3, 5, 16, 50  # B*T = 15: not divisible by 4 or 7
+    hidden = torch.randn(b, t, h, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    w_logp, w_ent = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)  # arbitrary upstream gradients
+
+    logp, ent = _naive(hidden, weight, labels, temperature)
+    torch.autograd.backward([logp, ent], [w_logp, w_ent])
+    expected = (logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad, weight.grad = None, None
+
+    logp, ent = chunked_logprobs(hidden, weight, labels, temperature, chunk_size=chunk_size)
+    assert logp.shape == ent.shape == (b, t)
+    torch.autograd.backward([logp, ent], [w_logp, w_ent])
+    for got, want in zip((logp.detach(), ent.detach(), hidden.grad, weight.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_without_entropy_and_without_grad():
+    """Guards against the no-grad path (old/ref log-probs) or with_entropy=False computing something else."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 9, 8, generator=g), torch.randn(30, 8, generator=g)
+    labels = torch.randint(0, 30, (2, 9), generator=g)
+    with torch.no_grad():
+        logp, ent = chunked_logprobs(hidden, weight, labels, 0.5, chunk_size=4, with_entropy=False)
+    assert ent is None and not logp.requires_grad
+    torch.testing.assert_close(logp, _naive(hidden, weight, labels, 0.5)[0], rtol=1e-5, atol=1e-5)
+
+
+def _tiny_batch(processor, model):
+    """Two prompts (one with an image) and responses of uneven lengths, laid out by rollout.collate."""
+    from PIL import Image, ImageDraw
+
+    prompts = []
+    for i in range(2):
+        img = Image.new("RGB", (56 + 28 * i, 84), "white")
+        ImageDraw.Draw(img).line((0, 0, 40, 60), fill="black", width=3)
+        content = [{"type": "text", "text": f"Find x {i}."}]
+        if i == 0:
+            content.insert(0, {"type": "image"})
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        out = processor(text=[text], images=None if i else [img], return_tensors="pt")
+        prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), []))
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 3)]
+    return rollout.collate(prompts, responses, processor.tokenizer.pad_token_id, model.config.image_token_id)
+
+
+def _full_logits_logprobs(model, batch_inputs, response_ids, temperature):
+    """The pre-issue-6 computation: full logits of the last T + 1 positions, then log_softmax/entropy on them."""
+    logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
+    return token_logprobs(logits, response_ids, temperature), entropy_from_logits(logits, temperature)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny_processor, fsdp):
+    """Guards against the swapped LM head reading the wrong positions (off by one against the labels), leaking
+    outside forward_logprobs (generate would get log-probs instead of logits), or cutting the gradient to the LM
+    head or to the layers below it; with FSDP2 (1-rank gloo group), against running the head outside the root's
+    forward, where its weight is not all-gathered."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch_inputs, response_ids, _ = _tiny_batch(tiny_processor, model)
+    temperature = 0.8
+    logp_ref, ent_ref = _full_logits_logprobs(model, batch_inputs, response_ids, temperature)
+    (logp_ref.sum() + 0.1 * ent_ref.sum()).backward()
+    head_grad_ref = model.lm_head.weight.grad.clone()
+    layer_grad_ref = model.model.language_model.layers[0].mlp.up_proj.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+
+    if fsdp:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        if fsdp:
+            train_grpo.apply_fsdp(model, torch.device("cpu"))
+            train_grpo.root_forward(model, tiny_processor.tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp_nograd, _ = train_grpo.forward_logprobs(model, batch_inputs, response_ids, temperature)
+        if fsdp:
+            model.reshard()
+        logp, ent = train_grpo.forward_logprobs(model, batch_inputs, response_ids, temperature, True, True)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        head_grad, layer_grad = model.lm_head.weight.grad, model.model.language_model.layers[0].mlp.up_proj.weight.grad
+        if fsdp:
+            head_grad, layer_grad = head_grad.full_tensor(), layer_grad.full_tensor()
+        torch.testing.assert_close(logp_nograd, logp_ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logp.detach(), logp_ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.detach(), ent_ref.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head_grad, head_grad_ref, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(layer_grad, layer_grad_ref, rtol=1e-4, atol=1e-6)
+        assert "forward" not in vars(model.lm_head)  # the plain nn.Linear forward is back
+        _, no_entropy = train_grpo.forward_logprobs(model, batch_inputs, response_ids, temperature, True, False)
+        assert not no_entropy.requires_grad  # the metric-only entropy builds no graph
+    finally:
+        if fsdp:
+            dist.destroy_process_group()
