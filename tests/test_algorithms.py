@@ -116,7 +116,8 @@ def test_sum_norm_uses_a_fixed_horizon_across_micro_batches():
 
 OPTION_RUNS = {
     "gspo_tis_kl_in_reward": [
-        "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward=true", "algorithm.tis_cap=2.0",
+        "algorithm.adv_estimator=reinforce_plus_plus", "algorithm.kl_in_reward=true", "algorithm.kl_penalty=k1",
+        "algorithm.tis_cap=2.0",
         "actor.policy_loss=gspo", "actor.clip_ratio_low=3e-4", "actor.clip_ratio_high=4e-4",
         "actor.entropy_coef=1e-3", "actor.mask_truncated=true", "reward.overlong_buffer=4",
         "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.ppo_epochs=2", "actor.global_batch_size=4",
@@ -125,6 +126,7 @@ OPTION_RUNS = {
     "estimators_and_kl_kinds": [
         "algorithm.adv_estimator=rloo", "algorithm.kl_penalty=abs", "actor.loss_agg_mode=seq-mean-token-mean",
         "actor.freeze_vision_tower=true", "actor.gradient_checkpointing=false", "rollout.n=4",
+        "algorithm.online_filtering=true", "algorithm.filter_key=overall", "algorithm.filter_low=0.001",
     ],
     "no_reference_model": ["algorithm.kl_coef=0", "algorithm.adv_estimator=grpo_passk", "actor.lr_warmup_steps=3"],
 }  # fmt: skip
@@ -153,6 +155,8 @@ def test_non_default_options_run_end_to_end(name, tiny_model_dir, tmp_path):
     if name == "gspo_tis_kl_in_reward":
         assert "rollout/tis_weight_mean" in rows[-1]
         assert rows[-1]["actor/optimizer_steps"] == 4  # 2 ppo epochs x 2 mini-batches of 4 prompts
+    if name == "estimators_and_kl_kinds":
+        assert all(r["rollout/prompts_drawn"] >= 8 and "rollout/filtered_groups" in r for r in rows)
     if name == "no_reference_model":
         assert rows[-1]["actor/kl"] == 0.0
 
