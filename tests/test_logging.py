@@ -130,13 +130,18 @@ def test_version_mismatch_names_installed_and_supported_sets():
         ("data.val_files={empty}", "data.val_files: no .parquet/.jsonl/.json files in directory '{empty}'"),
     ],
 )
-def test_missing_model_or_data_fails_at_once_naming_the_key(override, message, tmp_path, capsys):
+def test_missing_model_or_data_fails_at_once_naming_the_key(override, message, tiny_model_dir, tmp_path, capsys):
     """Guards against a typo in a path surfacing as a stack trace from deep inside the model or data loader."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
     empty = tmp_path / "empty"
     empty.mkdir()
     override, message = override.format(empty=empty), message.format(empty=empty)
+    # every other path valid (a fresh checkout has no outputs/), so the one error is the override's;
     # the output_dir keeps a run that wrongly got past the checks out of the repository's outputs/
-    assert main(["configs/tiny.yaml", "rollout.engine=hf", f"trainer.output_dir={tmp_path}", override]) == 2
+    data = make_geo3k_like(str(tmp_path / "data.parquet"), n_rows=2, seed=0)
+    valid = [f"actor.model_path={tiny_model_dir}", f"data.train_files={data}", f"data.val_files={data}"]
+    assert main(["configs/tiny.yaml", "rollout.engine=hf", f"trainer.output_dir={tmp_path}", *valid, override]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
 
