@@ -94,6 +94,37 @@ def collate(prompts, responses, pad_id, image_token_id):
     return inputs, input_ids[:, p_len:], response_mask
 
 
+def pack(prompts, responses, image_token_id):
+    """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere.
+
+    Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
+    `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry two extra
+    entries that train_grpo.forward_logprobs turns into per-sequence positions and the indices of the logits it
+    needs: `seq_lens` (B,) and `response_lens` (B,).
+    """
+    rows = []
+    t_len = max(len(r) for r in responses)
+    response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
+    response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        r = torch.as_tensor(r, dtype=torch.long)
+        rows.append(torch.cat([p.input_ids, r]))
+        response_ids[i, : len(r)] = r
+        response_mask[i, : len(r)] = 1
+    input_ids = torch.cat(rows)[None]  # (1, L)
+    inputs = {
+        "input_ids": input_ids,
+        "mm_token_type_ids": (input_ids == image_token_id).long(),  # (1, L)
+        "seq_lens": torch.tensor([len(x) for x in rows]),  # (B,)
+        "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
+    }
+    with_images = [p for p in prompts if p.pixel_values is not None]
+    if with_images:  # in sequence order, as the image tokens appear in the row
+        inputs["pixel_values"] = torch.cat([p.pixel_values for p in with_images])
+        inputs["image_grid_thw"] = torch.cat([p.image_grid_thw for p in with_images])
+    return inputs, response_ids, response_mask
+
+
 class HFEngine:
     """Samples with the training model's own `generate`. Under FSDP2 every forward is a collective, so every rank
     must generate together (`synced_gpus` keeps finished ranks stepping until all are done)."""

@@ -87,6 +87,9 @@ class ActorConfig:
     global_batch_size: int = 128  # prompts per optimizer step (divides data.rollout_batch_size)
     micro_batch_size: int = 4  # sequences per forward/backward per rank (gradient accumulation fills the rest)
     micro_batch_size_no_grad: int = 16  # sequences per forward for old/ref log-probs
+    padding_free: bool = True  # pack each micro-batch's sequences into one row, no pad tokens (issue 6)
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of micro_batch_size
+    max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6
     weight_decay: float = 1e-2
@@ -283,7 +286,24 @@ def check_config(cfg: Config, world_size: int) -> None:
             f"{world_size} ranks: make it a multiple of {world_size}"
         )
     seqs_per_rank = a.global_batch_size // world_size * r.n
-    if seqs_per_rank % a.micro_batch_size:
+    longest = d.max_prompt_length + d.max_response_length
+    for name in ("max_tokens_per_micro_batch", "max_tokens_per_micro_batch_no_grad"):
+        budget = getattr(a, name)
+        if budget < 0:
+            raise ConfigError(f"actor.{name} must be >= 0 (0 = micro-batches of a fixed sequence count), got {budget}")
+        if budget and not a.padding_free:
+            raise ConfigError(f"actor.{name}={budget} needs actor.padding_free=true (a token budget packs sequences)")
+        if budget and budget < longest:
+            raise ConfigError(
+                f"actor.{name}={budget} is smaller than one sequence can be: data.max_prompt_length + "
+                f"data.max_response_length = {longest}; raise it to at least {longest} (or 0 for micro_batch_size)"
+            )
+    if a.padding_free and a.attn_implementation not in PACKED_ATTENTION:
+        raise ConfigError(
+            f"actor.padding_free needs attention that stays inside each packed sequence; "
+            f"actor.attn_implementation={a.attn_implementation!r} is not one of {PACKED_ATTENTION}"
+        )
+    if not a.max_tokens_per_micro_batch and seqs_per_rank % a.micro_batch_size:
         raise ConfigError(
             f"each rank gets actor.global_batch_size/world_size x rollout.n = "
             f"{a.global_batch_size}/{world_size} x {r.n} = {seqs_per_rank} sequences per optimizer "
@@ -539,8 +559,116 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
     return logp, torch.cat(entropies).view_as(labels) if with_entropy else None  # (B, T)
 
 
+def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:
+    """Indices of `lengths` split into k bins of near-equal sums: longest first, each into the lightest bin so far
+    (LPT). Each bin lists its indices in ascending order."""
+    bins, loads = [[] for _ in range(k)], [0] * k
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = loads.index(min(loads))
+        bins[j].append(i)
+        loads[j] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def fits(bins, lengths, budget):
+    """Every bin within the token budget (a bin of one sequence always fits: it cannot be split)."""
+    return all(len(b) <= 1 or sum(lengths[i] for i in b) <= budget for b in bins)
+
+
+def token_budget_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Token-budget micro-batches for ONE rank: the fewest balanced bins that each hold at most `budget` tokens.
+    The loop calls plan_micro_batches, which also makes every rank agree on the count."""
+    k = max(1, math.ceil(sum(lengths) / budget))
+    while not fits(bins := balanced_bins(lengths, k), lengths, budget):
+        k += 1
+    return bins
+
+
+def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """token_budget_micro_batches, with the SAME number of micro-batches on every rank: under FSDP2 every forward
+    and backward is a collective, so a rank with one micro-batch fewer would leave the others waiting forever. The
+    count is the largest any rank needs; a rank rebalances into it (more bins than it needs fit more easily; the
+    loop takes one more bin in the rare case where rebalancing into the agreed count overflows on some rank)."""
+    k = torch.tensor(len(token_budget_micro_batches(lengths, budget)))
+    while True:
+        dist.all_reduce(k, op=dist.ReduceOp.MAX)
+        bins = balanced_bins(lengths, int(k))
+        ok = torch.tensor(int(fits(bins, lengths, budget)))
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok:
+            return bins
+        k += 1
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Forward passes. Batches come from rollout.collate: [left-padded prompt | right-padded response] per row.
+# Forward passes. A micro-batch comes from rollout.collate ([left-padded prompt | right-padded response] per row) or,
+# with actor.padding_free, from rollout.pack (all sequences back to back in one row).
+
+PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "flash_attention_2", "flash_attention_3")
+
+
+def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+    """PyTorch sdpa that keeps a packed row's sequences apart: the CPU stand-in for flash-attn's varlen kernel.
+
+    A packed forward passes no mask and text positions (1, L) that restart at 0 where each sequence starts; this
+    runs causal sdpa on each sequence's slice (cost sum(n_i^2), where one block-diagonal mask would cost L^2 and
+    L^2 bytes). Every other call (padded batches, generate, the vision tower) is plain transformers sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len = query.shape[2]
+    packed = attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == q_len
+    if not packed or q_len == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist()  # query (1, heads, L, D)
+    if starts[:1] != [0]:
+        starts.insert(0, 0)
+    bounds = list(zip(starts, starts[1:] + [q_len]))
+    outs = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        for s, e in bounds
+    ]  # each (1, n_i, heads, D)
+    return torch.cat(outs, dim=1), None
+
+
+def _register_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register("sdpa_packed", sdpa_packed)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_packed", sdpa_mask)  # padded batches get sdpa's own masks
+
+
+def packed_position_ids(model, input_ids, mm_token_type_ids, image_grid_thw, seq_lens):
+    """Position ids (4, 1, L) for a packed row. Rows 1-3 are each sequence's own mRoPE (temporal, height, width)
+    positions from the model's get_rope_index, as if it were alone; row 0 counts 0, 1, ... within each sequence,
+    which is how transformers (and sdpa_packed) find where sequences start."""
+    b, longest = len(seq_lens), int(seq_lens.max())
+    valid = torch.arange(longest, device=input_ids.device)[None] < seq_lens.to(input_ids.device)[:, None]  # (B, Lmax)
+    padded_ids = torch.zeros(b, longest, dtype=input_ids.dtype, device=input_ids.device)
+    padded_ids[valid] = input_ids[0]
+    padded_types = torch.zeros_like(padded_ids)
+    padded_types[valid] = mm_token_type_ids[0]
+    mrope, _ = model.model.get_rope_index(padded_ids, padded_types, image_grid_thw, attention_mask=valid.long())
+    text = torch.arange(longest, device=input_ids.device).expand(b, -1)[valid]  # (L,)
+    return torch.cat([text[None], mrope[:, valid]])[:, None]  # (4, 1, L)
+
+
+def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
+    """The model's forward with lm_head swapped for chunked_logprobs against `labels` (see forward_logprobs)."""
+    head = model.lm_head
+
+    def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
+        hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
+        logp, entropy = chunked_logprobs(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
+
+    head.forward = head_forward
+    try:
+        return model(**inputs, **extra, use_cache=False, logits_to_keep=logits_to_keep).logits  # (B, T, 1 or 2)
+    finally:
+        del head.forward  # back to the class's nn.Linear.forward
 
 
 def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
@@ -549,24 +677,33 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     The full logits would be (B, T, 151936) fp32, 0.6 MB a token, so the LM head runs chunked (chunked_logprobs).
     It must still run inside the root module's forward: under FSDP2 the root owns lm_head, and its weight is
     all-gathered only between the root's pre- and post-forward hooks. So for this one call we swap lm_head's forward
-    for one that takes the hidden states of the last T+1 positions and returns the (B, T, 1 or 2) stack of log-prob
-    and entropy as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did."""
+    for one that takes the hidden states that predict response tokens and returns the stack of log-prob and entropy
+    as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
+
+    A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
+    (flash-attn varlen or sdpa_packed keep attention inside each sequence); its response log-probs come back in the
+    same padded (B, T) layout as the padded path's."""
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
     labels = response_ids.to(device)  # (B, T)
-    head = model.lm_head
-
-    def head_forward(hidden):  # hidden (B, T + 1, H): the position before each response token predicts it
-        logp, entropy = chunked_logprobs(hidden[:, :-1], head.weight, labels, temperature, with_entropy=with_entropy)
-        if entropy is not None and not entropy_grad:
-            entropy = entropy.detach()
-        return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
-
-    head.forward = head_forward
-    try:
-        out = model(**inputs, use_cache=False, logits_to_keep=labels.shape[1] + 1).logits  # (B, T, 1 or 2)
-    finally:
-        del head.forward  # back to the class's nn.Linear.forward
+    if "seq_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
+        # (the state at the last position predicts nothing we sampled; the head drops it)
+        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
+    else:
+        seq_lens, response_lens = inputs.pop("seq_lens"), inputs.pop("response_lens").to(device)  # (B,), (B,)
+        position_ids = packed_position_ids(
+            model, inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"), seq_lens
+        )
+        # response token j of sequence i sits at end_i - len_i + j and is predicted by the position before it
+        ends = seq_lens.to(device).cumsum(0)  # (B,)
+        keep = torch.cat([torch.arange(e - n - 1, e - 1, device=device) for e, n in zip(ends, response_lens)])
+        flat_labels = inputs["input_ids"][:, keep + 1]  # (1, R), R = all response tokens
+        no_mask = dict.fromkeys(model.config.text_config.layer_types)  # prepared "masks": none, the row is packed
+        extra = {"position_ids": position_ids, "attention_mask": no_mask}
+        flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
+        flat = flat[0]  # (R, 1 or 2)
+        valid = torch.arange(labels.shape[1], device=device)[None] < response_lens[:, None]  # (B, T)
+        out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
     logp = out[..., 0]  # (B, T)
     entropy = None
     if with_entropy:
@@ -704,6 +841,9 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False):
 
     if attn_implementation == "auto":
         attn_implementation = "flash_attention_2" if device.type == "cuda" else "sdpa"
+    if attn_implementation == "sdpa":  # the same for padded batches, and it also runs packed ones correctly
+        _register_attention()
+        attn_implementation = "sdpa_packed"
     # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path, dtype=torch.float32, attn_implementation=attn_implementation
@@ -1139,17 +1279,21 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     return (examples, prompts, samples, results, stats), epoch, position
 
 
-def compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old):
-    """No-grad forwards over the rollout batch: log-probs under the policy that sampled (old) and the reference."""
-    old, ref = [], []
+def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old):
+    """No-grad forwards over the rollout batch: per-sample log-probs (1-D, response length) under the policy that
+    sampled (old, or None) and under the reference (or None)."""
+    old, ref = [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
-        for batch_inputs, response_ids, _ in micro_batches:
-            if need_old:
-                old.append(forward_logprobs(model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
-            if ref_model is not None:
-                ref.append(forward_logprobs(ref_model, batch_inputs, response_ids, cfg.rollout.temperature)[0])
+        for mb in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):
+            batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, cfg.actor.padding_free)
+            lengths = mask.sum(1).long().tolist()
+            for out, m in ((old, model if need_old else None), (ref, ref_model)):
+                if m is not None:
+                    logp = forward_logprobs(m, batch_inputs, response_ids, cfg.rollout.temperature)[0].cpu()  # (B, T)
+                    for row, i in enumerate(mb):
+                        out[i] = logp[row, : lengths[row]]
     reshard(model, ref_model)
-    return old, ref
+    return (old if need_old else None), (ref if ref_model is not None else None)
 
 
 def reshard(*models):
@@ -1183,15 +1327,27 @@ def global_advantages(scores, group_size, estimator, eps):
     return compute_advantages(torch.cat(gathered), group_size, estimator, eps).view(len(gathered), -1)[dist.get_rank()]
 
 
-def build_micro_batches(prompts, samples, size, pad_id, image_token_id):
-    out = []
-    for i in range(0, len(samples), size):
-        chunk = samples[i : i + size]
-        batch_inputs, response_ids, mask = rollout.collate(
-            [prompts[s.prompt_index] for s in chunk], [s.response_ids for s in chunk], pad_id, image_token_id
-        )
-        out.append((batch_inputs, response_ids, mask))
-    return out
+def micro_batches(prompts, samples, indices, cfg, grad):
+    """Split `indices` (samples of this rank) into micro-batches: actor.micro_batch_size sequences each, or, with a
+    token budget, balanced bins of at most that many prompt + response tokens, as many on every rank (collective)."""
+    a, indices = cfg.actor, list(indices)
+    budget = a.max_tokens_per_micro_batch
+    if not grad:
+        budget = a.max_tokens_per_micro_batch_no_grad or budget
+    if not budget:
+        size = a.micro_batch_size if grad else a.micro_batch_size_no_grad
+        return [indices[i : i + size] for i in range(0, len(indices), size)]
+    lengths = [len(prompts[samples[i].prompt_index].input_ids) + len(samples[i].response_ids) for i in indices]
+    return [[indices[j] for j in b] for b in plan_micro_batches(lengths, budget)]
+
+
+def make_micro_batch(prompts, samples, mb, ids, packed):
+    """Model inputs, response_ids (B, T) and response_mask (B, T) of the samples `mb`, packed or padded."""
+    mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
+    pad_id, image_token_id = ids
+    if packed:
+        return rollout.pack(mb_prompts, responses, image_token_id)
+    return rollout.collate(mb_prompts, responses, pad_id, image_token_id)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
@@ -1209,11 +1365,9 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
-        for mb_start in range(start, start + seqs_per_step, a.micro_batch_size):
-            mb = list(range(mb_start, mb_start + a.micro_batch_size))
-            batch_inputs, response_ids, mask = rollout.collate(
-                [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb], *ids
-            )
+        for mb in micro_batches(prompts, samples, chunk, cfg, grad=True):
+            batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free)
+            stats["actor/micro_batches"] += 1
             if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
                 mask = mask * torch.tensor([not samples[i].truncated for i in mb], dtype=mask.dtype)[:, None]
             mask = mask.to(device)
@@ -1272,11 +1426,6 @@ def _stack_padded(rows, t_len, device):
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row.to(device)
     return out
-
-
-def split_per_sample(tensors, masks):
-    """Per-micro-batch (B, T) tensors -> one 1-D tensor per sample, trimmed to its response length."""
-    return [t[i, : int(m[i].sum())].cpu() for t, m in zip(tensors, masks) for i in range(t.shape[0])]
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -1450,11 +1599,7 @@ def main(argv=None):
 
         # ------------------------------------------------------------------------------------ old/ref log-probs
         t0 = time.perf_counter()
-        micro_batches = build_micro_batches(prompts, samples, a.micro_batch_size_no_grad, *ids)
-        old, ref = compute_old_and_ref_logprobs(model, ref_model, micro_batches, cfg, need_old)
-        masks = [mb[2] for mb in micro_batches]
-        old_logps = split_per_sample(old, masks) if need_old else None
-        ref_logps = split_per_sample(ref, masks) if ref_model is not None else None
+        old_logps, ref_logps = compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old)
         timings["time/logprobs"] = time.perf_counter() - t0
 
         # -------------------------------------------------------------------------------------------- advantage
@@ -1474,6 +1619,7 @@ def main(argv=None):
                 "actor/clip_frac",
                 "actor/skipped_steps",
                 "actor/optimizer_steps",
+                "actor/micro_batches",
                 "rollout/logprob_diff_sum",
                 "rollout/logprob_diff_max",
                 "rollout/tis_weight_sum",
@@ -1527,6 +1673,7 @@ def main(argv=None):
                 "actor/lr": scheduler.get_last_lr()[0],
                 "actor/skipped_steps": stats["actor/skipped_steps"],
                 "actor/optimizer_steps": n_updates,
+                "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
                 "reward/timeouts": scorer.n_timeouts,
                 "reward/errors": scorer.n_errors,
             }

@@ -3,7 +3,11 @@
 Used by test_train.py: the same rollout batch split over 1 or 2 ranks and into any number of micro-batches must give
 the same update. The batch is synthetic but realistic: 4 prompts with images, 2 responses each of uneven lengths.
 
-    torchrun --nproc_per_node=W tests/dist_update_check.py MODEL_DIR OUT.pt MICRO_BATCH LOSS_AGG_MODE
+    torchrun --nproc_per_node=W tests/dist_update_check.py MODEL_DIR OUT.pt MICRO_BATCH LOSS_AGG_MODE [KEY=VALUE ...]
+
+The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a token budget the two ranks need
+different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
+each rank's micro-batch count.
 """
 
 import sys
@@ -41,7 +45,8 @@ def main():
     cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
                                         f"rollout.n={N}", f"actor.micro_batch_size={micro}",
                                         f"actor.loss_agg_mode={mode}", "actor.max_grad_norm=1e9",
-                                        "algorithm.kl_coef=0.1"])  # fmt: skip
+                                        "algorithm.kl_coef=0.1", "data.max_prompt_length=128",
+                                        "data.max_response_length=32", *sys.argv[5:]])  # fmt: skip
     train_grpo.check_config(cfg, world)
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
@@ -49,7 +54,7 @@ def main():
     samples, ref_logps = [], []
     for p in range(PROMPTS):
         for _ in range(N):
-            length = int(torch.randint(1, 9, (1,), generator=g))
+            length = int(torch.randint(1, 9, (1,), generator=g)) + (20 if p >= PROMPTS // 2 else 0)
             ids = torch.randint(0, 300, (length,), generator=g).tolist()  # plain text tokens, no specials
             samples.append(rollout.Sample(p, ids, [0.0] * length, "", False))
             ref_logps.append(-torch.rand(length, generator=g) * 3)
@@ -69,7 +74,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = dict.fromkeys(["actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
-                           "actor/optimizer_steps", "rollout/logprob_diff_sum", "rollout/logprob_diff_max"],
+                           "actor/optimizer_steps", "actor/micro_batches", "rollout/logprob_diff_sum",
+                           "rollout/logprob_diff_max"],
                           0.0)  # fmt: skip
     model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
@@ -79,8 +85,10 @@ def main():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    counts = [None] * world
+    dist.all_gather_object(counts, stats["actor/micro_batches"])
     if rank == 0:
-        torch.save({"state": state, "stats": stats}, out_path)
+        torch.save({"state": state, "stats": stats, "micro_batches": counts}, out_path)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -9,26 +9,41 @@ import torch
 from tests.launch import torchrun
 
 
-def _update(tiny_model_dir, tmp_path, world, micro, mode):
-    out = tmp_path / f"w{world}_m{micro}_{mode}.pt"
-    torchrun(world, "tests/dist_update_check.py", tiny_model_dir, str(out), str(micro), mode)
+def _update(tiny_model_dir, tmp_path, world, micro, mode, *overrides):
+    out = tmp_path / f"w{world}_m{micro}_{mode}_{len(overrides)}.pt"
+    torchrun(world, "tests/dist_update_check.py", tiny_model_dir, str(out), str(micro), mode, *overrides)
     return torch.load(out)
+
+
+def _assert_same_weights(a, b):
+    assert sorted(a["state"]) == sorted(b["state"])
+    for name, value in a["state"].items():
+        torch.testing.assert_close(b["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_update_is_identical_over_ranks_and_micro_batches(tiny_model_dir, tmp_path, mode):
-    """Guards against per-micro-batch or per-rank averaging (and FSDP's gradient average) biasing the update: one
-    rank with the whole batch in one micro-batch must match two ranks with one sequence per micro-batch."""
+    """Guards against per-micro-batch or per-rank averaging (and FSDP's gradient average) biasing the update, and
+    against the packed layout changing it: one rank with the whole batch in one PADDED micro-batch must match two
+    ranks with one PACKED sequence per micro-batch."""
     from safetensors.torch import load_file
 
-    full = _update(tiny_model_dir, tmp_path, world=1, micro=8, mode=mode)
-    split = _update(tiny_model_dir, tmp_path, world=2, micro=1, mode=mode)
-    assert sorted(full["state"]) == sorted(split["state"])
-    for name, value in full["state"].items():
-        torch.testing.assert_close(split["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    full = _update(tiny_model_dir, tmp_path, 1, 8, mode, "actor.padding_free=false")
+    split = _update(tiny_model_dir, tmp_path, 2, 1, mode)
+    _assert_same_weights(full, split)
     initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     # the step really moved the weights, including the root-level ones FSDP2 keeps outside the layer units
     assert (full["state"]["lm_head.weight"] - initial["lm_head.weight"]).abs().max() > 1e-4
+
+
+def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_model_dir, tmp_path):
+    """Guards against token-budget micro-batches (several packed sequences each) changing the token-mean update, and
+    against ranks running different numbers of micro-batches: rank 0's 4 short sequences fit a 160-token budget in
+    2 micro-batches, rank 1's longer ones need 4; unequal counts would deadlock FSDP2 (the launch times out)."""
+    full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
+    budget = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", "actor.max_tokens_per_micro_batch=160")
+    assert budget["micro_batches"] == [4.0, 4.0]
+    _assert_same_weights(full, budget)
 
 
 def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
