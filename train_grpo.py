@@ -90,6 +90,7 @@ class ActorConfig:
     padding_free: bool = True  # pack each micro-batch's sequences into one row, no pad tokens (issue 6)
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of micro_batch_size
     max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
+    balance_ranks: bool = True  # with a token budget: move a few sequences so every rank has as many tokens
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6
     weight_decay: float = 1e-2
@@ -598,6 +599,48 @@ def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
         if ok:
             return bins
         k += 1
+
+
+def rebalance_moves(lengths_per_rank: list[list[int]]) -> list[tuple[int, int, int]]:
+    """Moves (from_rank, index there, to_rank) that even out the ranks' token totals with few sequences moved: the
+    fullest rank repeatedly gives the emptiest the sequence closest to half their gap, while one is shorter than
+    the gap (so every move narrows it). Deterministic: every rank computes the same plan from the same lengths."""
+    items = [[(r, i, n) for i, n in enumerate(lengths)] for r, lengths in enumerate(lengths_per_rank)]
+    loads = [sum(lengths) for lengths in lengths_per_rank]
+    while True:
+        hi, lo = loads.index(max(loads)), loads.index(min(loads))
+        gap = loads[hi] - loads[lo]
+        fitting = [j for j, (_, _, n) in enumerate(items[hi]) if n < gap]
+        if not fitting:
+            break
+        j = min(fitting, key=lambda j: (abs(2 * items[hi][j][2] - gap), j))
+        item = items[hi].pop(j)
+        items[lo].append(item)
+        loads[hi] -= item[2]
+        loads[lo] += item[2]
+    return sorted((r, i, dst) for dst, held in enumerate(items) for r, i, _ in held if r != dst)
+
+
+def balance_over_ranks(items: list, lengths: list[int]) -> tuple[list, int]:
+    """This rank's share of one optimizer step after evening out token totals over the ranks (rebalance_moves):
+    its own items minus those it gives away, plus those it receives. Under FSDP2 the ranks move in lockstep, so a
+    step lasts as long as its fullest rank takes; a group's samples need not stay together, as advantages are final
+    by now. Collective: the moves go as pickled objects over the process group, in one global order of (from, to)
+    pairs, which every rank walks in the same sequence (no deadlock). Also returns how many sequences moved."""
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lengths)
+    moves = rebalance_moves(gathered)
+    given = {i for src, i, _ in moves if src == rank}
+    mine = [item for i, item in enumerate(items) if i not in given]
+    for src, dst in sorted({(src, dst) for src, _, dst in moves}):
+        if rank == src:
+            dist.send_object_list([[items[i] for s, i, d in moves if (s, d) == (src, dst)]], dst=dst)
+        elif rank == dst:
+            received = [None]
+            dist.recv_object_list(received, src=src)
+            mine += received[0]
+    return mine, len(moves)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1357,8 +1400,22 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device = next(model.parameters()).device
-    for start in range(0, len(samples), seqs_per_step):
-        chunk = range(start, start + seqs_per_step)
+    all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
+    for start in range(0, len(all_samples), seqs_per_step):
+        # this optimizer step's sequences, each with its own prompt entry so that they can move between ranks
+        items = [(all_prompts[all_samples[i].prompt_index], all_samples[i], all_advantages[i],
+                  all_old[i] if all_old else None, all_ref[i] if all_ref else None)
+                 for i in range(start, start + seqs_per_step)]  # fmt: skip
+        if a.max_tokens_per_micro_batch and a.balance_ranks and world > 1:
+            lengths = [len(p.input_ids) + len(s.response_ids) for p, s, *_ in items]
+            items, moved = balance_over_ranks(items, lengths)
+            stats["actor/moved_sequences"] += moved
+        prompts = [it[0] for it in items]
+        samples = [dataclasses.replace(it[1], prompt_index=j) for j, it in enumerate(items)]
+        advantages = torch.stack([torch.as_tensor(it[2]) for it in items])  # (S,)
+        old_logps = [it[3] for it in items] if all_old else None
+        ref_logps = [it[4] for it in items] if all_ref else None
+        chunk = range(len(items))
         # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
         # full-batch mean (every rank reaches this all_reduce once per optimizer step).
         kept = [i for i in chunk if not (a.mask_truncated and samples[i].truncated)]
@@ -1620,6 +1677,7 @@ def main(argv=None):
                 "actor/skipped_steps",
                 "actor/optimizer_steps",
                 "actor/micro_batches",
+                "actor/moved_sequences",
                 "rollout/logprob_diff_sum",
                 "rollout/logprob_diff_max",
                 "rollout/tis_weight_sum",
@@ -1674,6 +1732,7 @@ def main(argv=None):
                 "actor/skipped_steps": stats["actor/skipped_steps"],
                 "actor/optimizer_steps": n_updates,
                 "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
+                "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
                 "reward/timeouts": scorer.n_timeouts,
                 "reward/errors": scorer.n_errors,
             }

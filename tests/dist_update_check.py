@@ -74,8 +74,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = dict.fromkeys(["actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
-                           "actor/optimizer_steps", "actor/micro_batches", "rollout/logprob_diff_sum",
-                           "rollout/logprob_diff_max"],
+                           "actor/optimizer_steps", "actor/micro_batches", "actor/moved_sequences",
+                           "rollout/logprob_diff_sum", "rollout/logprob_diff_max"],
                           0.0)  # fmt: skip
     model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)

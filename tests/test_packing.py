@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 import rollout
 import train_grpo
-from train_grpo import ConfigError, balanced_bins, check_config, load_config, token_budget_micro_batches
+from train_grpo import (
+    ConfigError,
+    balanced_bins,
+    check_config,
+    load_config,
+    rebalance_moves,
+    token_budget_micro_batches,
+)
 
 
 def _mixed_batch(processor, image_token_id):
@@ -127,6 +134,29 @@ def test_balanced_bins_and_oversized_sequence():
     assert balanced_bins([5, 1, 4, 2, 3, 3], 2) == [[0, 1, 5], [2, 3, 4]]  # 9 and 9 tokens
     bins = token_budget_micro_batches([100, 10, 10, 10], budget=50)  # 100 alone can only be its own micro-batch
     assert [0] in bins and sorted(i for b in bins for i in b) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rebalance_moves_even_out_ranks_with_few_moves(seed):
+    """Guards against a rebalancing plan that loses or duplicates a sequence, leaves the ranks uneven (the lockstep
+    step waits for the fullest), or moves far more than the imbalance needs (each move ships a prompt's images)."""
+    rng = random.Random(seed)
+    ranks = [[min(2048, int(rng.lognormvariate(5.7, 0.7))) + rng.randint(330, 620) for _ in range(80)]
+             for _ in range(8)]  # fmt: skip
+    moves = rebalance_moves(ranks)
+    assert moves == rebalance_moves([list(r) for r in ranks])  # every rank computes the same plan
+    assert len({(src, i) for src, i, _ in moves}) == len(moves)  # nothing moved twice
+    held = [[n for i, n in enumerate(r) if (k, i) not in {(s, j) for s, j, _ in moves}] for k, r in enumerate(ranks)]
+    for src, i, dst in moves:
+        assert src != dst
+        held[dst].append(ranks[src][i])
+    assert sorted(n for h in held for n in h) == sorted(n for r in ranks for n in r)
+    loads = [sum(h) for h in held]
+    before = [sum(r) for r in ranks]
+    assert max(loads) - min(loads) <= max(n for r in ranks for n in r)
+    assert max(loads) - min(loads) < (max(before) - min(before)) / 4
+    assert len(moves) <= 20  # of 640 sequences
+    assert rebalance_moves([[5, 5], [5, 5]]) == []
 
 
 @pytest.mark.parametrize(

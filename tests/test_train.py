@@ -10,7 +10,7 @@ from tests.launch import torchrun
 
 
 def _update(tiny_model_dir, tmp_path, world, micro, mode, *overrides):
-    out = tmp_path / f"w{world}_m{micro}_{mode}_{len(overrides)}.pt"
+    out = tmp_path / f"w{world}_m{micro}_{mode}_{'_'.join(overrides)}.pt"
     torchrun(world, "tests/dist_update_check.py", tiny_model_dir, str(out), str(micro), mode, *overrides)
     return torch.load(out)
 
@@ -38,12 +38,19 @@ def test_update_is_identical_over_ranks_and_micro_batches(tiny_model_dir, tmp_pa
 
 def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_model_dir, tmp_path):
     """Guards against token-budget micro-batches (several packed sequences each) changing the token-mean update, and
-    against ranks running different numbers of micro-batches: rank 0's 4 short sequences fit a 160-token budget in
-    2 micro-batches, rank 1's longer ones need 4; unequal counts would deadlock FSDP2 (the launch times out)."""
+    against ranks running different numbers of micro-batches: without rebalancing, rank 0's 4 short sequences fit a
+    160-token budget in 2 micro-batches and rank 1's longer ones need 4; unequal counts would deadlock FSDP2 (the
+    launch times out). With rebalancing (the default) sequences move from rank 1 to rank 0, and the update must
+    still be the same: a sequence lost, doubled, or moved without its advantage or reference log-probs changes it."""
     full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
-    budget = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", "actor.max_tokens_per_micro_batch=160")
-    assert budget["micro_batches"] == [4.0, 4.0]
-    _assert_same_weights(full, budget)
+    budget = ["actor.max_tokens_per_micro_batch=160"]
+    fixed = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *budget, "actor.balance_ranks=false")
+    assert fixed["micro_batches"] == [4.0, 4.0] and fixed["stats"]["actor/moved_sequences"] == 0
+    _assert_same_weights(full, fixed)
+    balanced = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *budget)
+    assert balanced["stats"]["actor/moved_sequences"] >= 1
+    assert balanced["micro_batches"][0] == balanced["micro_batches"][1]
+    _assert_same_weights(full, balanced)
 
 
 def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
