@@ -884,8 +884,8 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False):
 
     if attn_implementation == "auto":
         attn_implementation = "flash_attention_2" if device.type == "cuda" else "sdpa"
+    _register_attention()
     if attn_implementation == "sdpa":  # the same for padded batches, and it also runs packed ones correctly
-        _register_attention()
         attn_implementation = "sdpa_packed"
     # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
@@ -1327,7 +1327,7 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
     sampled (old, or None) and under the reference (or None)."""
     old, ref = [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
-        for mb in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):
+        for mb, _ in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):  # a re-run writes again
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, cfg.actor.padding_free)
             lengths = mask.sum(1).long().tolist()
             for out, m in ((old, model if need_old else None), (ref, ref_model)):
@@ -1372,16 +1372,21 @@ def global_advantages(scores, group_size, estimator, eps):
 
 def micro_batches(prompts, samples, indices, cfg, grad):
     """Split `indices` (samples of this rank) into micro-batches: actor.micro_batch_size sequences each, or, with a
-    token budget, balanced bins of at most that many prompt + response tokens, as many on every rank (collective)."""
+    token budget, balanced bins of at most that many prompt + response tokens, as many on every rank (collective).
+
+    Yields (sample indices, live). A rank that ends up with fewer sequences than the agreed number of micro-batches
+    (possible after balance_over_ranks) still has to join every forward and backward: its surplus micro-batches
+    re-run its shortest sequence with live=False, and the caller gives them zero weight."""
     a, indices = cfg.actor, list(indices)
     budget = a.max_tokens_per_micro_batch
     if not grad:
         budget = a.max_tokens_per_micro_batch_no_grad or budget
     if not budget:
         size = a.micro_batch_size if grad else a.micro_batch_size_no_grad
-        return [indices[i : i + size] for i in range(0, len(indices), size)]
+        return [(indices[i : i + size], True) for i in range(0, len(indices), size)]
     lengths = [len(prompts[samples[i].prompt_index].input_ids) + len(samples[i].response_ids) for i in indices]
-    return [[indices[j] for j in b] for b in plan_micro_batches(lengths, budget)]
+    shortest = indices[lengths.index(min(lengths))]
+    return [([indices[j] for j in b], True) if b else ([shortest], False) for b in plan_micro_batches(lengths, budget)]
 
 
 def make_micro_batch(prompts, samples, mb, ids, packed):
@@ -1422,9 +1427,11 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
-        for mb in micro_batches(prompts, samples, chunk, cfg, grad=True):
+        for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free)
             stats["actor/micro_batches"] += 1
+            if not live:  # only here to keep the collectives in step: a zero mask zeroes its loss and every statistic
+                mask = torch.zeros_like(mask)
             if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
                 mask = mask * torch.tensor([not samples[i].truncated for i in mb], dtype=mask.dtype)[:, None]
             mask = mask.to(device)

@@ -7,9 +7,10 @@ the same update. The batch is synthetic but realistic: 4 prompts with images, 2 
 
 The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a token budget the two ranks need
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
-each rank's micro-batch count.
+each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
 """
 
+import os
 import sys
 
 import torch
@@ -37,6 +38,10 @@ def synthetic_prompts(processor):
 
 
 def main():
+    if os.environ.get("EXTRA_EMPTY_MICRO_BATCH"):  # as a rank with fewer sequences than the agreed count gets it
+        plan = train_grpo.plan_micro_batches
+        train_grpo.plan_micro_batches = lambda lengths, budget: plan(lengths, budget) + [[]]
+
     model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     rank, world, device = train_grpo.setup_distributed()
     from transformers import AutoProcessor

@@ -53,6 +53,20 @@ def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_mo
     _assert_same_weights(full, balanced)
 
 
+def test_surplus_micro_batch_adds_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    """Guards against the filler micro-batch of a rank short of sequences (it re-runs one only to keep FSDP2's
+    collectives in step) adding its loss or gradient a second time."""
+    budget = "actor.max_tokens_per_micro_batch=160"
+    plain = _update(tiny_model_dir, tmp_path, 1, 1, "seq-mean-token-mean", budget)
+    monkeypatch.setenv("EXTRA_EMPTY_MICRO_BATCH", "1")
+    (tmp_path / "x").mkdir()
+    padded = _update(tiny_model_dir, tmp_path / "x", 1, 1, "seq-mean-token-mean", budget)
+    assert padded["micro_batches"] == [plain["micro_batches"][0] + 1]
+    _assert_same_weights(plain, padded)
+    for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac"):
+        assert padded["stats"][key] == pytest.approx(plain["stats"][key], rel=1e-5), key
+
+
 def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     """Guards against a loop that runs but does not learn: 2 ranks, HF rollout, FSDP2 over gloo, validation and the
     final export; the reward must rise, every loss be finite and every weight change."""
