@@ -87,11 +87,19 @@ def collate(prompts, responses, pad_id, image_token_id):
         # transformers 5.x builds Qwen2.5-VL's 3-D (mRoPE) positions only when told which tokens are image tokens
         "mm_token_type_ids": (input_ids == image_token_id).long(),
     }
+    return {**inputs, **stacked_images(prompts)}, input_ids[:, p_len:], response_mask
+
+
+def stacked_images(prompts) -> dict:
+    """pixel_values and image_grid_thw of all the prompts' images, in prompt order (the order their image tokens
+    take in the batch), or nothing when no prompt has one."""
     with_images = [p for p in prompts if p.pixel_values is not None]
-    if with_images:
-        inputs["pixel_values"] = torch.cat([p.pixel_values for p in with_images])
-        inputs["image_grid_thw"] = torch.cat([p.image_grid_thw for p in with_images])
-    return inputs, input_ids[:, p_len:], response_mask
+    if not with_images:
+        return {}
+    return {
+        "pixel_values": torch.cat([p.pixel_values for p in with_images]),
+        "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]),
+    }
 
 
 def pack(prompts, responses, image_token_id):
@@ -118,11 +126,7 @@ def pack(prompts, responses, image_token_id):
         "seq_lens": torch.tensor([len(x) for x in rows]),  # (B,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
-    with_images = [p for p in prompts if p.pixel_values is not None]
-    if with_images:  # in sequence order, as the image tokens appear in the row
-        inputs["pixel_values"] = torch.cat([p.pixel_values for p in with_images])
-        inputs["image_grid_thw"] = torch.cat([p.image_grid_thw for p in with_images])
-    return inputs, response_ids, response_mask
+    return {**inputs, **stacked_images(prompts)}, response_ids, response_mask
 
 
 class HFEngine:

@@ -1,6 +1,7 @@
 """Run a script under torchrun on this machine's CPU, the way the end-to-end tests need it."""
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,3 +15,10 @@ def torchrun(nproc, *args, timeout=600):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
+
+
+def free_port() -> int:
+    """A TCP port free on this machine right now, for a rendezvous or a 1-rank process group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,13 +1,12 @@
 """Chunked log-probs and entropy (no full (B, T, V) logits) against the plain full-logits computation."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import rollout
 import train_grpo
+from tests.launch import free_port
 from train_grpo import chunked_logprobs, entropy_from_logits, token_logprobs
 
 
@@ -77,12 +76,6 @@ def _full_logits_logprobs(model, batch_inputs, response_ids, temperature):
     return token_logprobs(logits, response_ids, temperature), entropy_from_logits(logits, temperature)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny_processor, fsdp):
     """Guards against the swapped LM head reading the wrong positions (off by one against the labels), leaking
@@ -102,7 +95,7 @@ def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny
     model.zero_grad(set_to_none=True)
 
     if fsdp:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         if fsdp:
             train_grpo.apply_fsdp(model, torch.device("cpu"))

@@ -2,12 +2,11 @@
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.launch import REPO, free_port
 
 # Stand-ins for Slurm's commands: srun starts its command once per "node" (all here, at the same time) and fails
 # when one of them fails; scontrol names the nodes, the first being this machine's loopback address.
@@ -25,12 +24,6 @@ exit $rc
 FAKE_SCONTROL = """#!/bin/bash
 printf '127.0.0.1\\nlocalhost\\n'
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sbatch_scripts_are_valid_bash():

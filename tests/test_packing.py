@@ -2,7 +2,6 @@
 against each sequence alone, and the properties of the micro-batch partition."""
 
 import random
-import socket
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch.distributed as dist
 
 import rollout
 import train_grpo
+from tests.launch import free_port
 from train_grpo import (
     ConfigError,
     balanced_bins,
@@ -40,12 +40,6 @@ def _mixed_batch(processor, image_token_id):
     return prompts, responses
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_packed_logprobs_equal_padded_and_alone(tiny_model_dir, tiny_processor, fsdp):
     """Guards against attention crossing from one packed sequence into the next (plain sdpa with no mask does that:
@@ -69,7 +63,7 @@ def test_packed_logprobs_equal_padded_and_alone(tiny_model_dir, tiny_processor, 
     assert torch.equal(packed_ids * mask.long(), response_ids * mask.long()) and torch.equal(packed_mask, mask)
 
     if fsdp:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         if fsdp:
             train_grpo.apply_fsdp(model, torch.device("cpu"))
