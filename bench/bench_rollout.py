@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import models  # noqa: E402
 import rollout  # noqa: E402
+import runtime  # noqa: E402
 import train_grpo  # noqa: E402
 
 
@@ -52,7 +54,7 @@ def bench_generate(engine, model, prompts, params, n, seed, repeats):
         seconds += s
         tokens += total(sum(len(x.response_ids) for x in samples))
     engine.sleep()
-    train_grpo.reshard(model)
+    models.reshard(model)
     return {"tokens": tokens / repeats, "seconds": seconds / repeats, "tokens_per_s": tokens / seconds}
 
 
@@ -66,7 +68,7 @@ def main():
 
     cfg = train_grpo.load_config(args.config, args.overrides)
     cfg.rollout.engine = "vllm"
-    rank, world, device = train_grpo.setup_distributed()
+    rank, world, device = runtime.setup_distributed()
     train_grpo.check_config(cfg, world)
     from transformers import AutoProcessor
 
@@ -77,15 +79,15 @@ def main():
     t_start, vllm_engine = timed(lambda: rollout.make_engine(cfg, processor))  # before the model, as in training
     dataset = PromptDataset(
         d.train_files, processor, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
-        format_prompt=train_grpo.resolve_path(d.format_prompt) or None, min_pixels=d.min_pixels,
+        format_prompt=runtime.resolve_path(d.format_prompt) or None, min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
     )  # fmt: skip
     per_rank = d.rollout_batch_size // world
     prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(rank * per_rank, (rank + 1) * per_rank)]
 
-    model = train_grpo.load_model(cfg.actor.model_path, device, cfg.actor.attn_implementation)
-    train_grpo.apply_fsdp(model, device)
-    train_grpo.root_forward(model, processor.tokenizer.pad_token_id)
+    model = models.load_model(cfg.actor.model_path, device, cfg.actor.attn_implementation)
+    models.apply_fsdp(model, device)
+    models.root_forward(model, processor.tokenizer.pad_token_id)
     model.eval()
     params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
     seed = cfg.trainer.seed * 1_000_003 + rank

@@ -2,7 +2,7 @@
 
 1. Step time, padded vs packed: forward (the trainer's forward_logprobs) + backward of a token-mean loss over one
    rank's rollout batch. Padded = micro-batches of `--micro-batch-size` sequences laid out by rollout.collate, each
-   padded to its longest prompt and response; packed = token-budget micro-batches (train_grpo.plan_micro_batches's
+   padded to its longest prompt and response; packed = token-budget micro-batches (batching.plan_micro_batches's
    partition) laid out by rollout.pack, no pad tokens, attention kept inside each sequence.
 2. Peak memory, naive vs chunked log-probs: the full (B, T, V) fp32 logits then log_softmax, against the trainer's
    chunked LM head, on one padded micro-batch.
@@ -38,6 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import batching  # noqa: E402
+import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 
@@ -69,7 +71,7 @@ def build_model(hidden, layers, device, attn):
                               video_token_id=VOCAB - 2, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     if attn == "sdpa_packed":
-        train_grpo._register_attention()
+        models._register_attention()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -99,7 +101,7 @@ def padded_tokens(lengths, group):
 
 def micro_batches(variant, lengths, args):
     if variant == "packed":
-        return train_grpo.token_budget_micro_batches([p + r for p, r in lengths], args.budget)
+        return batching.token_budget_micro_batches([p + r for p, r in lengths], args.budget)
     return padded_groups(lengths, args.micro_batch_size)
 
 
@@ -109,14 +111,14 @@ def lockstep_efficiency(ranks_lengths, variant, args):
     if variant == "packed":
         totals = [[p + r for p, r in lengths] for lengths in ranks_lengths]
         if args.balance_ranks:  # the trainer's actor.balance_ranks: move a few sequences to even out the ranks
-            moves = train_grpo.rebalance_moves(totals)
+            moves = batching.rebalance_moves(totals)
             gone = {(src, i) for src, i, _ in moves}
             moved = [[] for _ in totals]
             for src, i, dst in moves:
                 moved[dst].append(totals[src][i])
             totals = [[n for i, n in enumerate(t) if (r, i) not in gone] + moved[r] for r, t in enumerate(totals)]
-        k = max(len(train_grpo.token_budget_micro_batches(t, args.budget)) for t in totals)  # the ranks agree on k
-        loads = [sorted((sum(t[i] for i in b) for b in train_grpo.balanced_bins(t, k)), reverse=True) for t in totals]
+        k = max(len(batching.token_budget_micro_batches(t, args.budget)) for t in totals)  # the ranks agree on k
+        loads = [sorted((sum(t[i] for i in b) for b in batching.balanced_bins(t, k)), reverse=True) for t in totals]
     else:
         loads = [[padded_tokens(lengths, g) for g in padded_groups(lengths, args.micro_batch_size)]
                  for lengths in ranks_lengths]  # fmt: skip
@@ -128,9 +130,9 @@ def lockstep_efficiency(ranks_lengths, variant, args):
 def naive_logprobs(model, batch_inputs, response_ids, temperature):
     """Full (B, T, V) logits, fp32 log_softmax gather, no-grad entropy on the same: the trainer before issue 6."""
     logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
-    logp = train_grpo.token_logprobs(logits, response_ids, temperature)  # (B, T)
+    logp = models.token_logprobs(logits, response_ids, temperature)  # (B, T)
     with torch.no_grad():
-        entropy = train_grpo.entropy_from_logits(logits, temperature)  # (B, T)
+        entropy = models.entropy_from_logits(logits, temperature)  # (B, T)
     return logp, entropy
 
 
@@ -187,7 +189,7 @@ def run_variant(args):
                     logp, _ = naive_logprobs(model, {k: v.to(device) for k, v in inputs.items()},
                                              response_ids.to(device), 1.0)  # fmt: skip
                 else:
-                    logp, _ = train_grpo.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
+                    logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
                 mask = mask.to(device)
                 ((logp * mask).sum() / mask.sum()).backward()
             times.append(m.seconds)
@@ -204,7 +206,7 @@ def run_variant(args):
             model.zero_grad(set_to_none=True)
             with Peak(device) as m:
                 for inputs, response_ids, mask in batches:
-                    logp, _ = train_grpo.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
+                    logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
                     ((logp * mask.to(device)).sum() / total).backward()
             times.append(m.seconds)
             peak = m.mib if peak is None else peak

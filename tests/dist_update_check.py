@@ -19,7 +19,9 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+import models  # noqa: E402
 import rollout  # noqa: E402
+import runtime  # noqa: E402
 import train_grpo  # noqa: E402
 
 PROMPTS, N = 4, 2
@@ -43,7 +45,7 @@ def main():
         train_grpo.plan_micro_batches = lambda lengths, budget: plan(lengths, budget) + [[]]
 
     model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    rank, world, device = train_grpo.setup_distributed()
+    rank, world, device = runtime.setup_distributed()
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -73,9 +75,9 @@ def main():
     ]
     local_prompts = prompts[rank * per_rank : (rank + 1) * per_rank]
 
-    model = train_grpo.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
-    train_grpo.apply_fsdp(model, device)
-    train_grpo.root_forward(model, processor.tokenizer.pad_token_id)
+    model = models.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
+    models.apply_fsdp(model, device)
+    models.root_forward(model, processor.tokenizer.pad_token_id)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = dict.fromkeys(["actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-import train_grpo
+import checkpoint
 from tests.launch import REPO, torchrun
 
 # The metrics a resumed run must reproduce exactly. Every one of them is a function of the weights, optimizer state,
@@ -71,7 +71,7 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
         if not name.startswith(".tmp"):
             (root / name / ".metadata").touch()
             (root / name / "trainer_state.json").touch()
-    train_grpo.prune_checkpoints(str(root), limit=2, keep=str(root / "step_4"))
+    checkpoint.prune_checkpoints(str(root), limit=2, keep=str(root / "step_4"))
     assert sorted(os.listdir(root)) == ["step_10", "step_4"]
 
 
@@ -136,7 +136,7 @@ def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     step = int(stopped[0].split()[5].rstrip(":"))  # "stopped by SIGTERM after step 3: ..."
     assert 2 <= step < 50
     assert checkpoints(out) == [f"step_{step}"]
-    assert train_grpo.is_complete_checkpoint(str(out / "checkpoints" / f"step_{step}"))
+    assert checkpoint.is_complete_checkpoint(str(out / "checkpoints" / f"step_{step}"))
     assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
 
 
@@ -146,7 +146,7 @@ def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, u
     from safetensors.torch import load_file
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from scripts.export_hf import export_checkpoint
+    from checkpoint import export_checkpoint
 
     _, reference = uninterrupted
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
@@ -174,7 +174,7 @@ def test_export_loads_with_vllm(uninterrupted, tmp_path):
     pytest.importorskip("vllm")
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from scripts.export_hf import export_checkpoint
+    from checkpoint import export_checkpoint
 
     _, reference = uninterrupted
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))

@@ -5,13 +5,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import train_grpo
-from train_grpo import ConfigError, MetricsLogger, check_config, load_config, main, version_mismatch
+from logger import MetricsLogger, format_duration
+from runtime import version_mismatch
+from train_grpo import ConfigError, check_config, load_config, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = {1: {"reward/overall": 0.25, "actor/kl": 1e-3, "time/step": 2.0}, 2: {"reward/overall": 0.5, "actor/kl": 2e-3}}
@@ -53,12 +55,12 @@ def test_other_ranks_write_nothing(tmp_path, capsys):
 def test_eta_is_remaining_steps_times_mean_step_time(monkeypatch, capsys):
     """Guards against an ETA that counts the steps done instead of those left, or only the last step's time."""
     clock = iter([100.0, 110.0, 130.0])
-    monkeypatch.setattr(train_grpo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
     logger = MetricsLogger(".", 10, ["console"], enabled=False)
     assert logger.eta(1, {"time/step": 10.0}) == pytest.approx(9 * 10.0)  # the first step: its own time
     assert logger.eta(2, {}) == pytest.approx(8 * 10.0)
     assert logger.eta(3, {}) == pytest.approx(7 * (10 + 10 + 20) / 3)
-    assert train_grpo.format_duration(7 * 40 / 3) == "1m33s" and train_grpo.format_duration(3725) == "1h02m"
+    assert format_duration(7 * 40 / 3) == "1m33s" and format_duration(3725) == "1h02m"
 
 
 def test_resume_drops_rerun_steps_everywhere(tmp_path):

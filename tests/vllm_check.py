@@ -16,7 +16,9 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+import models  # noqa: E402
 import rollout  # noqa: E402
+import runtime  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
 
@@ -46,7 +48,7 @@ def max_logprob_diff(model, prompts, samples, ids, temperature):
         [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], *ids
     )
     with torch.no_grad():
-        logp, _ = train_grpo.forward_logprobs(model, batch_inputs, response_ids, temperature)  # (B, T)
+        logp, _ = models.forward_logprobs(model, batch_inputs, response_ids, temperature)  # (B, T)
     model.reshard()
     engine_logp = torch.zeros_like(logp)
     for row, s in enumerate(samples):
@@ -60,7 +62,7 @@ def count_vision_tokens(samples, vision_ids):
 
 def main():
     model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    rank, world, device = train_grpo.setup_distributed()
+    rank, world, device = runtime.setup_distributed()
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -73,14 +75,14 @@ def main():
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
 
-    model = train_grpo.load_model(model_dir, device, "sdpa")
+    model = models.load_model(model_dir, device, "sdpa")
     with torch.no_grad():  # the same perturbation on every rank: the trainer now differs from the checkpoint
         g = torch.Generator().manual_seed(123)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    train_grpo.apply_fsdp(model, device)
+    models.apply_fsdp(model, device)
     pad_id = processor.tokenizer.pad_token_id
-    train_grpo.root_forward(model, pad_id)
+    models.root_forward(model, pad_id)
     model.eval()
     ids = (pad_id, model.config.image_token_id)
     params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)

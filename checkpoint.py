@@ -1,0 +1,200 @@
+"""Checkpoints and export.
+
+<output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each rank writes
+its own), rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data position, LR
+schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a directory named
+step_N is complete, anything else is a save that was killed midway.
+
+save_hf writes a Hugging Face model directory (the end of training, and export_checkpoint for any saved step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from models import load_model, reshard
+from runtime import print0, resolve_path
+
+
+def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
+    """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones."""
+    import random
+    import shutil
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    t0 = time.perf_counter()
+    rank, root = dist.get_rank(), os.path.join(output_dir, "checkpoints")
+    tmp, final = os.path.join(root, f".tmp-step_{step}"), os.path.join(root, f"step_{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the remains of an earlier save of this step that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    reshard(model)  # save the DTensor shards, never FSDP2's temporary unsharded root params
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    rank_state = {
+        "python_rng": random.getstate(),
+        "numpy_rng": np.random.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
+    }
+    torch.save(rank_state, os.path.join(tmp, f"rank_{rank}.pt"))
+    dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+    if rank == 0:
+        # The sampler's order is a pure function of (trainer.seed, epoch): epoch and position restore it exactly.
+        trainer_state = {"step": step, "epoch": epoch, "position": position, "world_size": dist.get_world_size()}
+        trainer_state.update(scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        shutil.rmtree(final, ignore_errors=True)  # a step_N of an earlier run in this directory (resume=none)
+        os.rename(tmp, final)  # atomic: from here on the checkpoint exists, complete
+        prune_checkpoints(root, cfg.trainer.save_limit, keep=final)
+        size = sum(e.stat().st_size for e in os.scandir(final))
+        print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
+    dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints as [(step, path)], oldest first, and the paths of incomplete ones."""
+    root = os.path.join(output_dir, "checkpoints")
+    complete, incomplete = [], []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name) if os.path.isdir(root) else []:
+        name = entry.name
+        if name.startswith("step_") and name[5:].isdigit() and is_complete_checkpoint(entry.path):
+            complete.append((int(name[5:]), entry.path))
+        elif name.startswith((".tmp-step_", "step_")):
+            incomplete.append(entry.path)
+    return sorted(complete), incomplete
+
+
+def is_complete_checkpoint(path):
+    return all(os.path.exists(os.path.join(path, f)) for f in (".metadata", "trainer_state.json"))
+
+
+def prune_checkpoints(root, limit, keep):
+    """Keep the newest `limit` complete checkpoints (0 keeps all), always including `keep`, the one just written;
+    remove leftovers of saves that were killed midway."""
+    import shutil
+
+    complete, incomplete = list_checkpoints(os.path.dirname(root))
+    others = [path for _, path in reversed(complete) if path != keep]
+    doomed = others[max(limit - 1, 0) :] if limit > 0 else []
+    for path in doomed + [p for p in incomplete if os.path.basename(p).startswith(".tmp-")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def find_resume_checkpoint(output_dir, resume):
+    """trainer.resume: auto = the newest complete checkpoint in output_dir (None if there is none), none = None,
+    or a checkpoint path, which must be complete. Rank 0 decides and tells the others, so all load the same one."""
+    choice = [None]
+    if dist.get_rank() == 0:
+        complete, incomplete = list_checkpoints(output_dir)
+        if resume == "auto":
+            for path in incomplete:
+                print(f"warning: skipping incomplete checkpoint {path} (a save that did not finish)", flush=True)
+            choice[0] = complete[-1][1] if complete else None
+        elif resume != "none":
+            if not is_complete_checkpoint(resume) or os.path.basename(os.path.normpath(resume)).startswith(".tmp-"):
+                raise SystemExit(f"trainer.resume={resume}: not a complete checkpoint (a save that did not finish?)")
+            choice[0] = resume
+        elif complete:
+            print(f"warning: trainer.resume=none: starting fresh; the checkpoints in {output_dir} will be replaced")
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
+    """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
+    import random
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    t0 = time.perf_counter()
+    reshard(model)  # load into the DTensor shards the optimizer owns
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)  # each rank reads only its own shards, resharded if the world size changed
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)
+    step, epoch, position = saved["step"], saved["epoch"], saved["position"]
+    scheduler.load_state_dict(saved["scheduler"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if saved["world_size"] != world:
+        # position counts prompts of this rank's shard: keep the number of steps done in the epoch instead
+        old_per_rank = saved["config"]["data"]["rollout_batch_size"] // saved["world_size"]
+        position = position // old_per_rank * (cfg.data.rollout_batch_size // world)
+        print0(f"warning: checkpoint written by {saved['world_size']} ranks, resumed on {world}: "
+               "the data order and random streams differ from an uninterrupted run")  # fmt: skip
+    rank_file = os.path.join(path, f"rank_{rank}.pt")
+    if os.path.exists(rank_file):
+        rank_state = torch.load(rank_file, weights_only=False)  # our own file; holds numpy RNG arrays
+        random.setstate(rank_state["python_rng"])
+        np.random.set_state(rank_state["numpy_rng"])
+        torch.set_rng_state(rank_state["torch_rng"])
+        if rank_state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rank_state["cuda_rng"])
+        scorer.n_timeouts = rank_state["reward_counters"]["n_timeouts"]
+        scorer.n_errors = rank_state["reward_counters"]["n_errors"]
+    print0(
+        f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
+        f"index {position} of this epoch's shard on each rank; next step {step + 1}"
+    )
+    return step, epoch, position
+
+
+def save_hf(model, processor, out_dir):
+    """Write a Hugging Face model directory (safetensors in the checkpoint's own naming, plus the processor) that
+    from_pretrained and vLLM load as is. Every rank must call it: gathering the full weights is collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.save_pretrained(out_dir, state_dict=state)
+        processor.save_pretrained(out_dir)
+    dist.barrier()
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = None) -> str:
+    """Write the HF model directory of a saved checkpoint (scripts/export_hf.py), in one CPU process, whatever the
+    number of ranks that wrote it. The model is built from the checkpoint's own config (actor.model_path, or
+    `model_path` if it moved) and its weights replaced by the checkpoint's; save_hf then writes the same files as at
+    the end of training (safetensors in the original naming, the processor with the run's pixel range)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoProcessor
+
+    from data import set_pixel_range
+
+    if not is_complete_checkpoint(checkpoint):
+        raise SystemExit(f"{checkpoint}: not a complete checkpoint (no .metadata or trainer_state.json)")
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        cfg = json.load(f)["config"]
+    model_path = model_path or resolve_path(cfg["actor"]["model_path"])
+    model = load_model(model_path, torch.device("cpu"), "sdpa")
+    processor = AutoProcessor.from_pretrained(model_path)
+    set_pixel_range(processor, cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])  # as PromptDataset did in training
+
+    # DCP and save_hf work through torch.distributed: a one-process group runs them here unchanged
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        # Only the model's entries are read (the optimizer's stay on disk); DCP loads in place into these tensors and
+        # fails on any key the checkpoint lacks, so a model that does not match the checkpoint cannot be half-loaded.
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=checkpoint)
+        model.load_state_dict(state["model"])
+        save_hf(model, processor, out_dir)
+    finally:
+        dist.destroy_process_group()
+    return out_dir

