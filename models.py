@@ -59,38 +59,117 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
 # ----------------------------------------------------------------------------------------------------------------------
 # Packed attention and positions, and the forward that gives the response tokens' log-probs.
 
-PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "flash_attention_2", "flash_attention_3")
+PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "varlen_packed", "flash_attention_2", "flash_attention_3")
+# The vision tower passes its per-image (and per-window) bounds to the attention function only when the name of its
+# attention says "flash"; anything else makes it loop over images and windows in Python (REFERENCE.md §7). So on
+# CUDA the tower's config names varlen_packed under this second name. It is set on the loaded model, never passed
+# to from_pretrained, which would go looking for a flash-attn build or a hub kernel of that name.
+VISION_VARLEN = "flash_varlen_packed"
+
+
+def resolve_attention(requested: str, device) -> str:
+    """actor.attn_implementation -> the name the model is loaded with. auto: PyTorch's own flash varlen kernel on
+    CUDA (no flash-attn build needed), sdpa_packed elsewhere; sdpa also means sdpa_packed, which is sdpa for padded
+    batches and keeps packed ones apart."""
+    _register_attention()
+    if requested == "auto":
+        requested = "varlen_packed" if device.type == "cuda" and _has_varlen() else "sdpa"
+    return "sdpa_packed" if requested == "sdpa" else requested
+
+
+def _has_varlen() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  (torch >= 2.10)
+    except ImportError:
+        return False
+    return True
+
+
+def packed_bounds(module, attention_mask, position_ids, query, key, kwargs):
+    """(cu_seqlens, max_len) of a packed causal row, or None when this call is not one: the decoder's forward of a
+    packed micro-batch comes without a mask, as one row, with forward_logprobs's `packed_cu_seqlens` (computed once
+    per micro-batch, so no layer re-derives them from the positions with host syncs). Padded batches, generate
+    (its KV cache makes keys longer than queries) and the vision tower (not causal) are not packed."""
+    cu = kwargs.pop("packed_cu_seqlens", None)
+    max_len = kwargs.pop("packed_max_seqlen", None)
+    causal = getattr(module, "is_causal", True)
+    packed = attention_mask is None and query.shape[0] == 1 and key.shape[2] == query.shape[2] and causal
+    if not packed or query.shape[2] == 1:
+        return None
+    if cu is None:  # a packed row from elsewhere (a user's own forward): the text positions restart at 0
+        if position_ids is None:
+            return None
+        starts = (position_ids[0] == 0).nonzero().flatten().tolist()
+        if starts[:1] != [0]:
+            starts.insert(0, 0)
+        cu = torch.tensor(starts + [query.shape[2]], device=query.device, dtype=torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, max_len
 
 
 def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """PyTorch sdpa that keeps a packed row's sequences apart: the CPU stand-in for flash-attn's varlen kernel.
+    """PyTorch sdpa that keeps a packed row's sequences apart: the CPU stand-in for the varlen kernel.
 
-    A packed forward passes no mask and text positions (1, L) that restart at 0 where each sequence starts; this
-    runs causal sdpa on each sequence's slice (cost sum(n_i^2), where one block-diagonal mask would cost L^2 and
-    L^2 bytes). Every other call (padded batches, generate, the vision tower) is plain transformers sdpa."""
+    A packed forward passes no mask and its sequence bounds; this runs causal sdpa on each sequence's slice (cost
+    sum(n_i^2), where one block-diagonal mask would cost L^2 and L^2 bytes). Every other call (padded batches,
+    generate, the vision tower) is plain transformers sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q_len = query.shape[2]
-    packed = attention_mask is None and position_ids is not None and query.shape[0] == 1 and key.shape[2] == q_len
-    if not packed or q_len == 1:
+    bounds = packed_bounds(module, attention_mask, position_ids, query, key, kwargs)
+    if bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    starts = (position_ids[0] == 0).nonzero().flatten().tolist()  # query (1, heads, L, D)
-    if starts[:1] != [0]:
-        starts.insert(0, 0)
-    bounds = list(zip(starts, starts[1:] + [q_len]))
+    cu = bounds[0].tolist()
     outs = [
         sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-        for s, e in bounds
+        for s, e in zip(cu[:-1], cu[1:])
     ]  # each (1, n_i, heads, D)
     return torch.cat(outs, dim=1), None
+
+
+def varlen_kernel(q, k, v, cu_seqlens, max_len, causal, scale):
+    """PyTorch's flash-attention varlen kernel, forward and backward (CUDA only; bf16/fp16). q (L, Hq, D), k and v
+    (L, Hkv, D), L = all tokens of the row; sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. Grouped-query heads
+    are handled by the kernel itself (enable_gqa), without repeating k and v. Tests swap in a CPU reference."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    window = (-1, 0) if causal else (-1, -1)  # (-1, 0) is how varlen_attn spells causal
+    gqa = q.shape[1] != k.shape[1]
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, window_size=window,
+                       enable_gqa=gqa)  # fmt: skip
+
+
+def varlen_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+    """Attention for CUDA without flash-attn: packed rows (the decoder, causal) and the vision tower's images and
+    windows (full attention, bounds from the tower) through one varlen kernel call per layer; every other call
+    (padded batches, generate) is plain sdpa. query (1, Hq, L, D), key/value (1, Hkv, L, D) -> (1, L, Hq, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("cu_seq_lens_q") is not None:  # the vision tower (under VISION_VARLEN): full attention per chunk
+        bounds, causal = (kwargs["cu_seq_lens_q"], kwargs["max_length_q"]), False
+    else:
+        bounds, causal = packed_bounds(module, attention_mask, position_ids, query, key, kwargs), True
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    cu, max_len = bounds
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, heads, D)
+    out = varlen_kernel(q, k, v, cu.to(torch.int32), int(max_len), causal, kwargs.get("scaling"))  # (L, Hq, D)
+    return out.unsqueeze(0), None
 
 
 def _register_attention():
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register("sdpa_packed", sdpa_packed)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_packed", sdpa_mask)  # padded batches get sdpa's own masks
+    for name, fn in (("sdpa_packed", sdpa_packed), ("varlen_packed", varlen_packed), (VISION_VARLEN, varlen_packed)):
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # padded batches get sdpa's own masks
+
+
+def use_varlen_in_vision_tower(model):
+    """Point the vision tower at varlen_packed under its flash-style name (see VISION_VARLEN), so it makes one
+    kernel call per layer for all images and windows instead of a Python loop over them."""
+    if model.config._attn_implementation == "varlen_packed":
+        model.model.visual.config._attn_implementation = VISION_VARLEN
 
 
 def packed_position_ids(model, input_ids, mm_token_type_ids, image_grid_thw, seq_lens):
@@ -154,7 +233,12 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
         keep = torch.cat([torch.arange(e - n - 1, e - 1, device=device) for e, n in zip(ends, response_lens)])
         flat_labels = inputs["input_ids"][:, keep + 1]  # (1, R), R = all response tokens
         no_mask = dict.fromkeys(model.config.text_config.layer_types)  # prepared "masks": none, the row is packed
-        extra = {"position_ids": position_ids, "attention_mask": no_mask}
+        # sequence bounds once per micro-batch, from host-side lengths (no device sync); every decoder layer's
+        # attention (sdpa_packed, varlen_packed) takes them from these keyword arguments
+        host_lens = batch_inputs["seq_lens"]  # (B,), on the host
+        cu_seqlens = torch.nn.functional.pad(host_lens.cumsum(0), (1, 0)).to(device, torch.int32)  # (B + 1,)
+        extra = {"position_ids": position_ids, "attention_mask": no_mask, "packed_cu_seqlens": cu_seqlens,
+                 "packed_max_seqlen": int(host_lens.max())}  # fmt: skip
         flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens[:, None]  # (B, T)
@@ -170,18 +254,43 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
 # Loading and FSDP2.
 
 
+# model_type values (config.json) of the families this trainer knows how to load, shard and pack
+SUPPORTED_MODEL_TYPES = ("qwen2_5_vl",)
+
+
+def unsupported_model(path: str) -> str | None:
+    """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
+    None. from_pretrained would load a Qwen3-VL checkpoint into the Qwen2.5-VL class, warn about the weights it
+    leaves random, and train the result: this stops first, naming the model_type. A hub id not in the cache is
+    checked when it downloads."""
+    import json
+    import os
+
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        config_file = try_to_load_from_cache(path, "config.json")
+        if not isinstance(config_file, str):
+            return None
+    if not os.path.exists(config_file):
+        return "no config.json: not a Hugging Face model directory"
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    return None
+
+
 def load_model(path, device, attn_implementation, gradient_checkpointing=False):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    if attn_implementation == "auto":
-        attn_implementation = "flash_attention_2" if device.type == "cuda" else "sdpa"
-    _register_attention()
-    if attn_implementation == "sdpa":  # the same for padded batches, and it also runs packed ones correctly
-        attn_implementation = "sdpa_packed"
+    attn_implementation = resolve_attention(attn_implementation, device)
     # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         path, dtype=torch.float32, attn_implementation=attn_implementation
     )
+    use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -219,6 +219,32 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     return (member_seed * 1_000_003 + prompt * n) % 2**63
 
 
+# Messages vLLM repeats that say nothing to a user of this trainer, by logger. At every weight sync its layer-wise
+# reload warns about layers that received nothing to reload (they keep the tensors they hold; the log-probs after a
+# sync agree with the trainer's, tests/test_vllm.py); on CPU it warns at every torch.set_num_threads call after its
+# thread binding (the call is skipped, as intended).
+VLLM_NOISE = {
+    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.v1.worker.cpu_worker": "torch.set_num_threads",
+}
+
+
+def quiet_vllm_logs():
+    """vLLM logs at WARNING and above unless VLLM_LOGGING_LEVEL says otherwise (its INFO lines would bury the step
+    lines), without the repeated messages of VLLM_NOISE. Call it before vLLM is first imported: vLLM reads the level
+    when it sets up its loggers."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name, text in VLLM_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "vllm_noise", False) for f in logger.filters):
+            noise_filter = logging.Filter()
+            noise_filter.filter = lambda record, text=text: text not in record.getMessage()
+            noise_filter.vllm_noise = True
+            logger.addFilter(noise_filter)
+
+
 class VLLMEngine:
     """A vLLM `LLM` inside each torchrun rank (`external_launcher`: no extra processes, no Ray).
 
@@ -234,6 +260,7 @@ class VLLMEngine:
     def __init__(self, cfg, processor):
         # in-process engine core; vLLM reads this when it is imported and when the engine starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        quiet_vllm_logs()
         from vllm import LLM
 
         r, d = cfg.rollout, cfg.data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,14 +34,76 @@ def setup_distributed():
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")
     local_rank = int(env["LOCAL_RANK"])
+    gpus, driver = visible_nvidia_gpus(), nvidia_driver_version()
+    problem = cuda_problem(torch.cuda.is_available(), gpus, driver, torch.version.cuda)
+    if problem:  # an 8-GPU node must never quietly train on its CPUs
+        raise SystemExit(f"error: {problem}")
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def cuda_index(local_rank: int, device_count: int) -> int:
+    """The GPU this rank uses: the one at its LOCAL_RANK, or the only one it sees. Slurm with one GPU bound per task
+    (`srun --ntasks-per-node=8 --gpus-per-task=1`) shows each task its own GPU as device 0 whatever its local rank."""
+    if device_count == 1:
+        return 0
+    if local_rank >= device_count:
+        raise SystemExit(
+            f"error: this is local rank {local_rank} but it sees {device_count} GPUs "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {device_count} "
+            "ranks per node, or give each rank exactly one GPU"
+        )
+    return local_rank
+
+
+# The oldest NVIDIA driver that runs each CUDA major version a torch build may target (CUDA's minor version
+# compatibility: any 13.x build on a 580 driver, any 12.x on 525). PyPI's torch 2.14.0 is built for CUDA 13.0.
+MIN_DRIVER = {"13": 580, "12": 525}
+
+
+def visible_nvidia_gpus() -> int:
+    """NVIDIA GPUs this process could use by the device files the driver makes (no CUDA or NVML needed), or 0 when
+    CUDA_VISIBLE_DEVICES hides them all on purpose."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return 0
+    return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name)) if os.path.isdir("/dev") else 0
+
+
+def nvidia_driver_version() -> str | None:
+    """The loaded NVIDIA kernel driver's version ("NVRM version: ... Kernel Module ... 550.54.15 ..."), or None."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            match = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", f.read())
+    except OSError:
+        return None
+    return match.group(1) if match else None
+
+
+def cuda_problem(cuda_available: bool, n_gpus: int, driver: str | None, torch_cuda: str | None) -> str | None:
+    """Why this process cannot use the NVIDIA GPUs it has, in words a user can act on; None when it can, or has
+    none. Without this check a trainer on a node whose driver is older than its torch build needs sees
+    torch.cuda.is_available() False and takes the CPU path (gloo, fp32) on an 8-GPU node."""
+    if cuda_available or n_gpus == 0:
+        return None
+    found = f"{n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)}"
+    if torch_cuda is None:
+        return f"{found} here, but torch {torch.__version__} is a CPU-only build: pip install -r requirements.txt"
+    need = MIN_DRIVER.get(torch_cuda.split(".")[0])
+    have = f"driver {driver}" if driver else "no NVIDIA driver loaded (/proc/driver/nvidia/version)"
+    if driver and need and int(driver.split(".")[0]) >= need:
+        cause = "although the driver is new enough: check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
+    else:
+        cause = f"CUDA {torch_cuda} needs an NVIDIA driver >= {need or '?'}: update the driver (README, On GPUs)"
+    return (
+        f"{found} here, but torch {torch.__version__} (built for CUDA {torch_cuda}) cannot use them with {have}; "
+        f"{cause}. To run on the CPU on purpose, set CUDA_VISIBLE_DEVICES=''"
+    )
 
 
 def print0(*args, **kwargs):

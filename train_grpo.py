@@ -48,7 +48,7 @@ import rollout
 from batching import balance_over_ranks, plan_micro_batches
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
-from models import PACKED_ATTENTION, forward_logprobs, load_policy_and_reference, reshard
+from models import PACKED_ATTENTION, forward_logprobs, load_policy_and_reference, reshard, unsupported_model
 from runtime import (
     StopSignal,
     check_gpu_memory,
@@ -125,7 +125,7 @@ class ActorConfig:
     gradient_checkpointing: bool = True
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
-    attn_implementation: str = "auto"  # auto = flash_attention_2 on CUDA, sdpa elsewhere
+    attn_implementation: str = "auto"  # auto = varlen_packed (torch's flash varlen) on CUDA, sdpa_packed elsewhere
 
 
 @dataclass
@@ -356,6 +356,9 @@ def check_paths(cfg: Config) -> None:
 
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
+    unsupported = unsupported_model(path)
+    if unsupported:
+        raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
     for key in ("train_files", "val_files"):
         spec = getattr(cfg.data, key)
         try:

@@ -1,0 +1,108 @@
+"""The CUDA attention path (actor.attn_implementation=auto on a GPU: PyTorch's varlen flash kernel, no flash-attn) run
+on CPU with the kernel swapped for a per-sequence sdpa reference: everything around the kernel -- which calls take
+it, the sequence bounds it gets, the (L, heads, D) layout, grouped-query heads, the vision tower's images and
+windows, causal or not -- is the code that runs on the GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import models
+import rollout
+from tests.test_packing import _mixed_batch
+
+
+def reference_varlen(q, k, v, cu_seqlens, max_len, causal, scale):
+    """What torch.nn.attention.varlen.varlen_attn computes, one sequence at a time with sdpa (CPU, any dtype)."""
+    cu = cu_seqlens.tolist()
+    assert cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == q.shape[0]
+    assert max_len == max(e - s for s, e in zip(cu[:-1], cu[1:]))
+    outs = []
+    for s, e in zip(cu[:-1], cu[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (heads, n, D)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
+        outs.append(o.transpose(0, 1))  # (n, Hq, D)
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def recorded_kernel(monkeypatch):
+    calls = []
+
+    def kernel(q, k, v, cu_seqlens, max_len, causal, scale):
+        calls.append({"causal": causal, "n": len(cu_seqlens) - 1, "heads": (q.shape[1], k.shape[1])})
+        return reference_varlen(q, k, v, cu_seqlens, max_len, causal, scale)
+
+    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    return calls
+
+
+def test_auto_picks_varlen_on_cuda_only():
+    """Guards against auto still asking for flash_attention_2 on CUDA (a flash-attn build that has no wheel for
+    torch 2.14 / CUDA 13), or taking the CUDA kernel on CPU."""
+    assert models.resolve_attention("auto", torch.device("cuda", 0)) == "varlen_packed"
+    assert models.resolve_attention("auto", torch.device("cpu")) == "sdpa_packed"
+    assert models.resolve_attention("sdpa", torch.device("cuda", 0)) == "sdpa_packed"
+    assert models.resolve_attention("flash_attention_2", torch.device("cuda", 0)) == "flash_attention_2"
+
+
+def test_varlen_packed_equals_padded_sdpa(tiny_model_dir, tiny_processor, recorded_kernel):
+    """Guards against the varlen path mixing packed sequences (wrong or missing bounds), a transposed layout, grouped
+    kv heads mapped to the wrong query heads, a vision tower that loops over its images and windows instead of one
+    kernel call per layer (or attends causally), and gradients that differ from the padded sdpa model's."""
+    torch.manual_seed(0)
+    ref = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    model = models.load_model(tiny_model_dir, torch.device("cpu"), "varlen_packed")
+    assert model.config._attn_implementation == "varlen_packed"
+    assert model.model.visual.config._attn_implementation == models.VISION_VARLEN
+    pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
+    prompts, responses = _mixed_batch(tiny_processor, image_token_id)
+    padded_inputs, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
+    packed_inputs, _, _ = rollout.pack(prompts, responses, image_token_id)
+
+    want, got = {}, {}
+    for out, m, inputs in ((want, ref, padded_inputs), (got, model, packed_inputs)):
+        logp, ent = models.forward_logprobs(m, inputs, response_ids, 0.9, True, True)
+        ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        out["logp"] = logp.detach() * mask
+        out["grads"] = [
+            m.lm_head.weight.grad,
+            m.model.language_model.layers[0].self_attn.k_proj.weight.grad,
+            m.model.visual.blocks[0].attn.qkv.weight.grad,
+            m.model.visual.blocks[1].attn.qkv.weight.grad,
+        ]
+    torch.testing.assert_close(got["logp"], want["logp"], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got["grads"], want["grads"]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+    text_layers, vision_blocks = model.config.text_config.num_hidden_layers, model.config.vision_config.depth
+    decoder = [c for c in recorded_kernel if c["causal"]]
+    vision = [c for c in recorded_kernel if not c["causal"]]
+    # forward and the recompute of gradient checkpointing may call again; at least one call per layer, none looped
+    assert len(decoder) >= text_layers and all(c["n"] == len(prompts) for c in decoder)
+    assert all(c["heads"] == (2, 1) for c in decoder)  # grouped-query heads reach the kernel as they are
+    assert len(vision) == vision_blocks  # one call per block for all images (or windows), not one per image
+    # block 1 attends over whole images (two in the batch), block 0 over windows of them (at least one per image)
+    assert vision[1]["n"] == 2 and vision[0]["n"] >= 2
+
+
+def test_varlen_packed_is_sdpa_off_the_packed_path(recorded_kernel):
+    """Guards against the kernel being used where it would be wrong: a padded batch with its mask, a KV-cache step
+    (keys longer than queries) -- those must be transformers' sdpa exactly, and never reach the kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    for args in ((q, k, v, mask), (q[:1, :, -1:], k[:1], v[:1], None)):
+        want = sdpa_attention_forward(module, *args)[0]
+        torch.testing.assert_close(models.varlen_packed(module, *args)[0], want)
+    assert recorded_kernel == []
+    # a packed row with bounds: each sequence equals itself alone
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    got = models.varlen_packed(module, q[:1], k[:1], v[:1], None, packed_cu_seqlens=cu, packed_max_seqlen=4)[0]
+    for s, e in ((0, 2), (2, 6)):
+        alone = sdpa_attention_forward(module, q[:1, :, s:e], k[:1, :, s:e], v[:1, :, s:e], None)[0]
+        torch.testing.assert_close(got[:, s:e], alone)
