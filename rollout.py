@@ -319,6 +319,9 @@ class VLLMEngine:
         tags = [t for t in tags if t in self.asleep]
         if tags:
             t0 = time.perf_counter()
+            # the blocks training freed stay in PyTorch's cache, where vLLM's own allocator cannot use them: give
+            # them back to the device first (memory_plan.py's rollout phase counts on it)
+            torch.cuda.empty_cache()
             self.llm.wake_up(tags=tags)
             self.asleep -= set(tags)
             self.timings["time/wake"] += time.perf_counter() - t0

@@ -48,6 +48,7 @@ import rollout
 from batching import balance_over_ranks, plan_micro_batches
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
+from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
 from models import PACKED_ATTENTION, forward_logprobs, load_policy_and_reference, reshard, unsupported_model
 from runtime import (
     StopSignal,
@@ -169,6 +170,8 @@ class TrainerConfig:
     val_samples: int = 4  # validation generations written to <output_dir>/val_samples.jsonl per validation
     wandb_project: str = "grpo-vl"  # wandb project; the run is named after output_dir
     seed: int = 1
+    n_gpus_per_node: int = 0  # for the memory plan (memory_plan.py); 0 = the GPUs CUDA sees, or 8 without a GPU
+    gpu_memory_gib: float = 0.0  # memory of one GPU for the plan; 0 = what CUDA reports, or 80 without a GPU
 
 
 @dataclass
@@ -938,23 +941,46 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     return metrics
 
 
+def check_memory(cfg, world, dry_run):
+    """The per-GPU memory plan (memory_plan.py), printed by a dry run. ConfigError, naming the key to change, when
+    it does not fit on the GPUs, or cannot be made for them; None for a CPU run whose model it cannot read."""
+    try:
+        plan = plan_memory(cfg, world)
+    except PlanError as e:
+        if dry_run or torch.cuda.is_available():
+            raise ConfigError(str(e)) from None
+        return None
+    if dry_run:
+        print(format_plan(plan))
+    problem = plan_problem(plan) if dry_run or torch.cuda.is_available() else None  # GPU numbers: checked on a GPU
+    if problem:
+        raise ConfigError(problem)
+    return plan
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    dry_run = "--dry-run" in argv  # print the memory plan and exit: no GPU, no process group, no weights
+    argv = [arg for arg in argv if arg != "--dry-run"]
     if not argv or argv[0].startswith("-"):
         print(__doc__)
         return 2
     cfg_path, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
     try:
         cfg = load_config(cfg_path, overrides)
-        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
+        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "0")))
+        world = world or (gpus_per_node(cfg.trainer.n_gpus_per_node) if dry_run else 1)  # a dry run plans one node
         check_config(cfg, world)
         check_paths(cfg)
+        plan = check_memory(cfg, world, dry_run)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if dry_run:
+        return 0
 
     rank, world, device = setup_distributed()
     torch.manual_seed(cfg.trainer.seed)
@@ -964,6 +990,8 @@ def main(argv=None):
             json.dump(config_to_dict(cfg), f, indent=2)
     print0(f"config: {json.dumps(config_to_dict(cfg))}")
     print_banner(cfg, world, device)
+    if plan:
+        print0(format_plan(plan))
     check_gpu_memory(cfg, device)
 
     # -------------------------------------------------------------------------------- data, reward, models, engine

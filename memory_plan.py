@@ -1,0 +1,478 @@
+"""The memory plan: what one GPU and one node's host memory will hold, worked out before anything loads.
+
+`python train_grpo.py CONFIG --dry-run` prints it without a GPU and without weights; every start prints it too,
+and on CUDA a plan over the limit stops the run with the config key to change. The model's size comes from its
+config.json (a local directory), the embedded numbers of the known Qwen2.5-VL sizes (a hub id), or the hub's
+config.json, never from the weights.
+
+What is exact and what is estimated:
+- Exact: the parameter counts (checked against transformers' model in tests/test_memory_plan.py), and so the
+  sharded states: FSDP2 shards every parameter over all ranks, each rank keeps 1/world of the fp32 master weights,
+  their fp32 gradients and AdamW's two fp32 moments (trainable parameters only), and of the reference model in the
+  compute dtype (bf16).
+- Estimated: everything that depends on kernels and the allocator. The all-gathered bf16 units (the root's
+  embedding and LM head stay gathered through forward and backward, one block plus the prefetched next), the
+  gradients in flight (FSDP2 reduce-scatters them in fp32), the activations of one micro-batch (as if every token
+  of the budget were an image token: the worst case the config allows), the chunked LM head, vLLM's share while
+  awake (exactly what it takes: rollout.gpu_memory_utilization of the device) and a fixed RUNTIME for the CUDA
+  context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+
+GIB = 2**30
+FIT_SHARE = 0.95  # a phase fits when it needs at most this share of the GPU; the rest is for fragmentation
+RUNTIME = 2 * GIB  # CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep (estimate)
+HEAD_CHUNK = 512  # tokens per LM-head chunk (models.chunked_logprobs)
+DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0  # the plan's node when no GPU is here and the config names none
+
+
+class PlanError(ValueError):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model sizes: the few numbers of a Qwen2.5-VL config.json the count needs.
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool  # tie_word_embeddings: the LM head is the embedding matrix
+    vision_depth: int = 32
+    vision_hidden: int = 1280
+    vision_intermediate: int = 3420
+    patch: int = 14
+    temporal_patch: int = 2
+    in_channels: int = 3
+    merge: int = 2  # spatial_merge_size: merge x merge patches become one LM token
+
+
+# The public config.json numbers of Qwen/Qwen2.5-VL-*-Instruct. 3B and 7B are checked in the tests against their
+# published totals (3.75 B, 8.29 B) and module shapes; 32B and 72B are as their config.json files read (a vision MLP
+# of 3456 instead of 3420), not checked here.
+KNOWN_SHAPES = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": ModelShape(2048, 11008, 36, 16, 2, 151936, tied=True),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ModelShape(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "Qwen/Qwen2.5-VL-32B-Instruct": ModelShape(5120, 27648, 64, 40, 8, 152064, tied=False, vision_intermediate=3456),
+    "Qwen/Qwen2.5-VL-72B-Instruct": ModelShape(8192, 29568, 80, 64, 8, 152064, tied=False, vision_intermediate=3456),
+}
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    """A Qwen2.5-VL config.json as a dict. Files written before transformers 5 keep the text numbers at the top
+    level and may keep tie_word_embeddings in text_config; transformers reads both places, and so does this."""
+    text = {**config, **config.get("text_config", {})}
+    vision = config["vision_config"]
+    return ModelShape(
+        hidden=text["hidden_size"],
+        intermediate=text["intermediate_size"],
+        layers=text["num_hidden_layers"],
+        heads=text["num_attention_heads"],
+        kv_heads=text["num_key_value_heads"],
+        vocab=text["vocab_size"],
+        tied=bool(config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings")),
+        vision_depth=vision["depth"],
+        vision_hidden=vision["hidden_size"],
+        vision_intermediate=vision["intermediate_size"],
+        patch=vision["patch_size"],
+        temporal_patch=vision["temporal_patch_size"],
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        merge=vision["spatial_merge_size"],
+    )
+
+
+def read_model_shape(model_path: str) -> ModelShape:
+    """A local directory's config.json, else a known hub id's embedded numbers, else the hub's config.json (from the
+    cache, or downloaded: a few kB, never the weights)."""
+    if os.path.isdir(model_path):
+        path = os.path.join(model_path, "config.json")
+    elif model_path in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_path]
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(model_path, "config.json")
+        except Exception as e:  # offline and not cached, no such repository, no network
+            raise PlanError(
+                f"actor.model_path={model_path!r}: cannot read its config.json to plan memory ({e})"
+            ) from None
+    try:
+        with open(path) as f:
+            return shape_from_config(json.load(f))
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise PlanError(f"actor.model_path={model_path!r}: {path} is not a Qwen2.5-VL config.json ({e!r})") from None
+
+
+def count_params(s: ModelShape) -> dict[str, int]:
+    """Exact parameter counts of transformers' Qwen2_5_VLForConditionalGeneration, per FSDP2 unit: one decoder
+    layer, the vision tower, and the root (what is in neither: embedding, final norm, LM head)."""
+    head_dim = s.hidden // s.heads
+    kv = s.kv_heads * head_dim
+    h, i = s.hidden, s.intermediate
+    # q, k, v with biases, o without; gate, up, down without biases; two RMSNorm weights
+    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv  # Conv3d without bias
+    # qkv and proj with biases; a gated MLP (gate, up, down) with biases; two RMSNorm weights
+    block = (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + 2 * (hv * iv + iv) + (iv * hv + hv) + 2 * hv
+    # the merger: RMSNorm over each patch, then Linear(merged, merged), GELU, Linear(merged, LM hidden)
+    merger = hv + (merged * merged + merged) + (merged * h + h)
+    vision = patch_embed + s.vision_depth * block + merger
+    root = s.vocab * h + h + (0 if s.tied else s.vocab * h)
+    return {"layer": layer, "vision": vision, "root": root, "total": root + vision + s.layers * layer}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The plan: pure arithmetic on the model's shape and the run's settings, in bytes.
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the plan depends on, taken from the config by plan_memory; _levers tries changes to it."""
+
+    world: int  # ranks FSDP2 shards over
+    gpus_per_node: int
+    ranks_per_node: int
+    gpu_bytes: float
+    train_tokens: int  # tokens of one training micro-batch
+    nograd_tokens: int  # tokens of one old/ref log-prob micro-batch
+    checkpointing: bool
+    freeze_vision: bool
+    reference: bool  # algorithm.kl_coef > 0
+    ref_offload: bool
+    engine: str
+    vllm_util: float
+    sleep_level: int
+    tp: int
+    seq_len: int  # max_prompt_length + max_response_length
+    response_len: int
+    hf_rows: int  # sequences one HF generate call decodes at once
+
+
+def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
+    """Activation elements per token of one transformer block: (kept until its backward, extra while its backward
+    runs). A block's forward keeps 8h + 4kv + 4i: each RMSNorm its fp32 input and bf16 output, the projections'
+    inputs, q, k, v, rotated q and k, the attention output, and the MLP's gate, up, act(gate) and product; a vision
+    block also its fused qkv output (3h), a decoder layer the cos and sin it rebuilds from the mRoPE sections
+    (`rope` = 2 x head_dim). Counted with saved_tensors_hooks on transformers 5.19's layers in bf16
+    (tests/test_memory_plan.py). Backward adds their gradients in flight (~2h + 2i, an estimate). With
+    checkpointing only the block's input stays, and its backward first recomputes the rest."""
+    kept, grads = 8 * h + 4 * kv + 4 * i + (3 * h if fused_qkv else 0) + rope, 2 * h + 2 * i
+    return (h, kept + grads) if checkpointing else (kept, grads)
+
+
+def compute_plan(s: ModelShape, x: Settings) -> dict:
+    """Bytes per GPU in each phase of a step, the parts of each phase in order, and the host bytes per rank at load."""
+    n = count_params(s)
+    kv = s.kv_heads * (s.hidden // s.heads)
+    trainable = n["total"] - (n["vision"] if x.freeze_vision else 0)
+    with_vllm = x.engine == "vllm"
+    states = {
+        "params": 4 * n["total"] / x.world,  # fp32 master weights
+        "grads": 4 * trainable / x.world,  # fp32, freed by zero_grad(set_to_none) after each optimizer step
+        "adam": 8 * trainable / x.world,  # exp_avg and exp_avg_sq, fp32
+        "reference": 0 if x.ref_offload or not x.reference else 2 * n["total"] / x.world,  # bf16 shards
+    }
+    # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
+    # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
+    pair = n["layer"] + max(n["vision"], n["layer"])
+    gathered = 2 * (n["root"] + pair)
+
+    def head(tokens, grad):  # one chunk's logits: bf16, fp32 upcast, /temperature, softmax (+ their grads backward)
+        per_logit = 20 if grad else 14
+        return HEAD_CHUNK * s.vocab * per_logit + (4 if grad else 2) * tokens * s.hidden  # + the final hidden states
+
+    # Activations of one training micro-batch (bf16, 2 B an element). Its images can have at most merge^2 patches per
+    # LM token, all in the vision tower at once; the tower's blocks are checkpointed like the decoder layers.
+    t, patches = x.train_tokens, x.train_tokens * s.merge**2
+    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.intermediate, x.checkpointing, rope=2 * (s.hidden // s.heads))
+    vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
+    vis_saved = 0 if x.freeze_vision else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
+    lm_saved = 2 * t * lm_kept * s.layers
+    # Gradients in flight: the root's (bf16) live through the whole backward, beside the bf16 gradients of the unit
+    # whose backward runs and the fp32 copy FSDP2 reduce-scatters them in (MixedPrecisionPolicy reduce_dtype).
+    # The peak is at the top of the LM's backward (every layer's saved activations, and the head or one layer's
+    # backward) or later at the vision tower's (the LM's activations are freed by then): (grads, activations).
+    top = (2 * n["root"] + 6 * n["layer"], lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))
+    tower = (2 * n["root"] + 6 * n["vision"], vis_saved + 2 * patches * vis_extra)
+    unit_grads, activations = top if x.freeze_vision or sum(top) >= sum(tower) else tower
+    # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
+    # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
+    # roots gathered after a forward without backward, until the phase reshards them.
+    tn = x.nograd_tokens
+    nograd = max(
+        2 * tn * (4 * s.hidden + 3 * s.intermediate),
+        2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
+    )
+    nograd += head(tn, False)
+    awake = x.vllm_util * x.gpu_bytes if with_vllm else 0.0  # vLLM takes its share of the whole device
+    never_sleeps = {"vllm awake": awake} if with_vllm and x.sleep_level == 0 else {}
+    phases = {
+        "update": {
+            **states,
+            "gathered": gathered,
+            "grads in flight": unit_grads,
+            "activations": activations,
+            **never_sleeps,
+            "runtime": RUNTIME,
+        },
+        "log-probs": {
+            **states,
+            "grads": 0,
+            "gathered": gathered + (2 * n["root"] if x.reference else 0),
+            "activations": nograd,
+            **never_sleeps,
+            "runtime": RUNTIME,
+        },
+    }
+    if with_vllm:
+        phases["rollout"] = {**states, "grads": 0, "vllm awake": awake, "runtime": RUNTIME}
+    else:  # HF generate with the training model: its KV cache and, per decoding step, fp32 logits of every row
+        phases["rollout"] = {
+            **states,
+            "grads": 0,
+            "gathered": gathered,
+            "kv cache": x.hf_rows * x.seq_len * s.layers * 2 * kv * 2,
+            "logits": x.hf_rows * x.response_len * s.vocab * 4,
+            "runtime": RUNTIME,
+        }
+    # host memory per rank while loading: this rank's fp32 policy shard and bf16 reference shard, read through a
+    # buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy (pinned, bf16, its
+    # TP slice), which the engine made before the trainer's model loads
+    host = {
+        "policy": 4 * n["total"] / x.world,
+        "reference": 2 * n["total"] / x.world if x.reference else 0,
+        "read buffer": 2 * s.vocab * s.hidden,
+        "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,
+    }
+    vllm_min = 2 * n["total"] / x.tp + x.seq_len * s.layers * 2 * kv * 2 / x.tp  # its weights + one sequence's KV
+    return {"params": n, "phases": phases, "host": host, "vllm_min": vllm_min if with_vllm else 0.0}
+
+
+def _phase_over(shape: ModelShape, x: Settings) -> tuple[str, float] | None:
+    """The phase that needs the most and its bytes, when it is over the limit; None when every phase fits."""
+    phases = compute_plan(shape, x)["phases"]
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    worst = max(totals, key=totals.get)
+    return (worst, totals[worst]) if totals[worst] > FIT_SHARE * x.gpu_bytes else None
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """The largest v in [lo, hi] with ok(v), for ok true up to some point and false above it; None if not ok(lo)."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[str, str]]:
+    """Single config changes that make every phase fit, as (the part of the plan it shrinks, advice naming the key).
+    `keys` names the config keys the token counts came from (a token budget, or a sequence count)."""
+    fits = lambda **change: _phase_over(shape, dataclasses.replace(x, **change)) is None  # noqa: E731
+    out = []
+    for field, part in (("train_tokens", "activations"), ("nograd_tokens", "activations")):
+        key, now = keys[field], getattr(x, field)
+        if key.endswith("size"):  # a sequence count: micro-batches of that many full-length sequences
+            best = _largest(1, now // x.seq_len, lambda v, f=field: fits(**{f: v * x.seq_len}))
+            if best is not None and best < now // x.seq_len:
+                out.append((part, f"lower {key} from {now // x.seq_len} to {best}"))
+        else:
+            best = _largest(x.seq_len, now, lambda v, f=field: fits(**{f: v}))
+            if best is not None and best < now:
+                best = max(x.seq_len, best // 1024 * 1024) if best >= 1024 else best
+                out.append((part, f"lower {key} from {now} to {best}"))
+    if x.engine == "vllm":
+        least = math.ceil(compute_plan(shape, x)["vllm_min"] / x.gpu_bytes * 100)  # its weights must still fit
+        best = _largest(least, round(x.vllm_util * 100), lambda v: fits(vllm_util=v / 100))
+        if best is not None and best < round(x.vllm_util * 100):
+            out.append(("vllm awake", f"lower rollout.gpu_memory_utilization from {x.vllm_util} to {best / 100}"))
+    if x.reference and not x.ref_offload and fits(ref_offload=True):
+        out.append(("reference", "set actor.ref_offload=true (the reference's shards in host memory)"))
+    if not x.freeze_vision and fits(freeze_vision=True):
+        out.append(("adam", "set actor.freeze_vision_tower=true"))
+    if not x.checkpointing and fits(checkpointing=True):
+        out.append(("activations", "set actor.gradient_checkpointing=true"))
+    if x.engine == "vllm" and x.sleep_level == 0 and fits(sleep_level=1):
+        out.append(("vllm awake", "set rollout.sleep_level=1 (vLLM gives its memory back while the trainer works)"))
+    if x.engine == "hf" and fits(engine="vllm"):
+        out.append(("logits", "set rollout.engine=vllm"))
+    world = _largest(x.world, 1 << 16, lambda v: not fits(world=v))  # the largest world that still does not fit
+    if world is not None and world < 1 << 16:
+        out.append(("adam", f"shard over at least {world + 1} GPUs (more nodes; now {x.world})"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# From the config to a printed plan, and the verdict.
+
+
+@dataclass
+class Plan:
+    model: str
+    shape: ModelShape
+    settings: Settings
+    gpu_source: str  # where the GPU's size came from
+    keys: dict[str, str]  # the config keys behind train_tokens and nograd_tokens
+    host_limit: float | None  # bytes a Slurm job may use per node (--mem), when Slurm says
+
+    @property
+    def numbers(self) -> dict:
+        return compute_plan(self.shape, self.settings)
+
+
+def gpus_per_node(configured: int) -> int:
+    """trainer.n_gpus_per_node, else the GPUs CUDA sees, else DEFAULT_GPUS (a dry run on a machine without one)."""
+    import torch
+
+    if configured > 0:
+        return configured
+    return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_GPUS
+
+
+def gpu_memory(configured_gib: float) -> tuple[float, str]:
+    """Bytes of one GPU and where the number came from: trainer.gpu_memory_gib, else CUDA, else DEFAULT_GPU_GIB."""
+    import torch
+
+    if configured_gib > 0:
+        return configured_gib * GIB, "trainer.gpu_memory_gib"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory, "CUDA"
+    return DEFAULT_GPU_GIB * GIB, "no GPU here: assumed"
+
+
+def plan_memory(cfg, world: int) -> Plan:
+    """The plan for `cfg` (train_grpo.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
+    known sizes) and what CUDA reports; loads nothing else."""
+    a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
+    seq_len = d.max_prompt_length + d.max_response_length
+    # micro_batches() in train_grpo.py: a token budget, else a sequence count of at most seq_len tokens each
+    train = ("actor.micro_batch_size", a.micro_batch_size * seq_len)
+    if a.max_tokens_per_micro_batch:
+        train = ("actor.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
+    nograd = ("actor.micro_batch_size_no_grad", a.micro_batch_size_no_grad * seq_len)
+    if a.max_tokens_per_micro_batch_no_grad:
+        nograd = ("actor.max_tokens_per_micro_batch_no_grad", a.max_tokens_per_micro_batch_no_grad)
+    elif a.max_tokens_per_micro_batch:
+        nograd = train
+    gpu_bytes, gpu_source = gpu_memory(t.gpu_memory_gib)
+    per_node = gpus_per_node(t.n_gpus_per_node)
+    settings = Settings(
+        world=world,
+        gpus_per_node=per_node,
+        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, per_node),  # torchrun sets it
+        gpu_bytes=gpu_bytes,
+        train_tokens=train[1],
+        nograd_tokens=nograd[1],
+        checkpointing=a.gradient_checkpointing,
+        freeze_vision=a.freeze_vision_tower,
+        reference=cfg.algorithm.kl_coef > 0,
+        ref_offload=a.ref_offload,
+        engine=r.engine,
+        vllm_util=r.gpu_memory_utilization,
+        sleep_level=r.sleep_level,
+        tp=r.tensor_parallel_size,
+        seq_len=seq_len,
+        response_len=d.max_response_length,
+        hf_rows=max(d.rollout_batch_size // world * r.n, d.val_batch_size * r.val_n),
+    )
+    keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
+    # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
+    slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
+    host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
+    return Plan(a.model_path, read_model_shape(a.model_path), settings, gpu_source, keys, host_limit)
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.1f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """A few lines: the sharded states, each phase's further parts and total, the verdict, host memory at load."""
+    x, numbers = plan.settings, plan.numbers
+    phases, host, n = numbers["phases"], numbers["host"], numbers["params"]
+    states = ("params", "grads", "adam", "reference")
+    size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
+    lines = [
+        f"memory plan, GiB per GPU: {plan.model} ({size} parameters), world {x.world}, "
+        f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
+        "  sharded    "
+        + " | ".join(f"{k} {_gib(phases['update'][k])}" for k in states)
+        + "  (exact; the rest estimated)",
+    ]
+    tokens = {"update": x.train_tokens, "log-probs": x.nograd_tokens}
+    for name, parts in phases.items():
+        extra = [f"{k} {_gib(v)}" + (f" ({tokens[name]} tokens)" if k == "activations" else "")
+                 for k, v in parts.items() if k not in states]  # fmt: skip
+        lines.append(f"  {name:<10} + " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
+    totals = {name: sum(parts.values()) for name, parts in phases.items()}
+    worst = max(totals, key=totals.get)
+    verdict = "fits" if _phase_over(plan.shape, x) is None else "DOES NOT FIT"
+    lines.append(
+        f"  peak       {_gib(totals[worst])} ({worst}) of {_gib(FIT_SHARE * x.gpu_bytes)} usable "
+        f"({FIT_SHARE} x {_gib(x.gpu_bytes)}) -> {verdict}"
+    )
+    per_rank = " + ".join(f"{k} {_gib(v)}" for k, v in host.items() if v)
+    limit = f" of the {_gib(plan.host_limit)} Slurm allows" if plan.host_limit else ""
+    ranks = f"{x.ranks_per_node} rank{'s' if x.ranks_per_node > 1 else ''}"
+    lines.append(
+        f"host memory per node at load, GiB: {ranks} x ({per_rank}) = "
+        f"{_gib(x.ranks_per_node * sum(host.values()))}{limit}, plus each process's own"
+    )
+    return "\n".join(lines)
+
+
+def plan_problem(plan: Plan) -> str | None:
+    """Why the plan cannot run, naming the config key to change (the change that shrinks the biggest part first);
+    None when it fits."""
+    x, numbers = plan.settings, plan.numbers
+    if x.engine == "vllm" and x.vllm_util * x.gpu_bytes < numbers["vllm_min"]:
+        need = math.ceil(numbers["vllm_min"] / x.gpu_bytes * 100) / 100
+        return (
+            f"rollout.gpu_memory_utilization={x.vllm_util} gives vLLM {_gib(x.vllm_util * x.gpu_bytes)} GiB, less "
+            f"than its weights and one sequence's KV cache ({_gib(numbers['vllm_min'])} GiB): raise it to >= {need}"
+        )
+    host = x.ranks_per_node * sum(numbers["host"].values())
+    if plan.host_limit and host > plan.host_limit:
+        return (
+            f"host memory at load, {_gib(host)} GiB per node, is over the {_gib(plan.host_limit)} GiB this Slurm job "
+            f"may use (--mem): ask for more, or set rollout.sleep_level=2 (no host copy of vLLM's weights, "
+            f"{_gib(x.ranks_per_node * numbers['host']['vllm sleep copy'])} GiB)"
+        )
+    over = _phase_over(plan.shape, x)
+    if over is None:
+        return None
+    phase, total = over
+    parts = numbers["phases"][phase]
+    head = (
+        f"memory plan does not fit: the {phase} phase needs {_gib(total)} GiB per GPU, over the "
+        f"{_gib(FIT_SHARE * x.gpu_bytes)} GiB usable ({FIT_SHARE} x {_gib(x.gpu_bytes)} GiB, {plan.gpu_source}); "
+        + ", ".join(f"{k} {_gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+    )
+    levers = sorted(_levers(plan.shape, x, plan.keys), key=lambda lever: -parts.get(lever[0], 0))
+    if levers:
+        return head + ": " + "; or ".join(advice for _, advice in levers)
+    # no single change is enough: name what shrinks each part, biggest first
+    shrinks = {
+        "activations": plan.keys["train_tokens" if phase == "update" else "nograd_tokens"],
+        "vllm awake": "rollout.gpu_memory_utilization",
+        "reference": "actor.ref_offload=true",
+        "adam": "more GPUs, or actor.freeze_vision_tower=true",
+        "logits": "rollout.engine=vllm",
+    }
+    named = [f"{shrinks[k]} ({k})" for k, _ in sorted(parts.items(), key=lambda kv: -kv[1]) if k in shrinks]
+    return head + ": no single change fits it; combine: " + ", ".join(named)

@@ -1,0 +1,310 @@
+"""The memory plan (memory_plan.py): exact parameter counts, each term of the 3B and 7B plans on 8 x 80 GB against
+hand arithmetic, the dry run, and plans that do not fit naming the key to change."""
+
+import json
+
+import pytest
+import torch
+
+import memory_plan
+import train_grpo
+from memory_plan import GIB, KNOWN_SHAPES, PlanError, count_params, plan_memory, plan_problem, shape_from_config
+from train_grpo import load_config, main
+
+NODE = ["trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=80"]  # the plan's node, whatever this machine has
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_env(monkeypatch):
+    """The plan reads the launcher's world size, ranks per node and Slurm's --mem: none of them here."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_MEM_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Parameter counts
+
+
+def test_count_equals_the_tiny_models_parameters(tiny_model_dir):
+    """Guards against a miscounted bias, norm or merger layer: the count from config.json must equal the loaded
+    model's parameters exactly, in total and per FSDP2 unit (decoder layer, vision tower, root)."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with open(f"{tiny_model_dir}/config.json") as f:
+        counts = count_params(shape_from_config(json.load(f)))
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir)
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert counts["total"] == numel(model)
+    assert counts["layer"] == numel(model.model.language_model.layers[0])
+    assert counts["vision"] == numel(model.model.visual)
+    assert counts["root"] == numel(model) - numel(model.model.visual) - numel(model.model.language_model.layers)
+
+
+@pytest.mark.parametrize("name", list(KNOWN_SHAPES))
+def test_count_equals_transformers_for_the_known_sizes(name):
+    """Guards against the counter being right for the tiny model only (tied embeddings in 3B, GQA widths): the
+    known sizes built by transformers on the meta device (no memory) have exactly the counted parameters."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    s = KNOWN_SHAPES[name]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab),
+        vision_config=dict(depth=s.vision_depth, hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate,
+                           out_hidden_size=s.hidden),
+        tie_word_embeddings=s.tied,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    assert count_params(s)["total"] == sum(p.numel() for p in model.parameters())
+
+
+# The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
+VISION_BLOCK = 2 * 1280 + (1280 * 3840 + 3840) + (1280 * 1280 + 1280) + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
+VISION_3B = 3 * 2 * 14 * 14 * 1280 + 32 * VISION_BLOCK + 1280 + (5120 * 5120 + 5120) + (5120 * 2048 + 2048)
+VISION_7B = 3 * 2 * 14 * 14 * 1280 + 32 * VISION_BLOCK + 1280 + (5120 * 5120 + 5120) + (5120 * 3584 + 3584)
+# q, k, v (biases), o; gate, up, down; two norms
+LAYER_3B = (2048 * 2048 + 2048) + 2 * (2048 * 256 + 256) + 2048 * 2048 + 3 * 2048 * 11008 + 2 * 2048
+LAYER_7B = (3584 * 3584 + 3584) + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+ROOT_3B = 151936 * 2048 + 2048  # tied: the LM head is the embedding
+ROOT_7B = 2 * 152064 * 3584 + 3584
+P_3B = ROOT_3B + 36 * LAYER_3B + VISION_3B
+P_7B = ROOT_7B + 28 * LAYER_7B + VISION_7B
+
+
+def test_known_sizes_are_the_published_ones():
+    """Guards against a wrong embedded number for the hub ids the configs name (a 3B planned untied, a 7B with the
+    3B's vocabulary): Qwen2.5-VL-3B has 3.75 B parameters, 7B 8.29 B."""
+    assert P_3B == 3_754_622_976 and P_7B == 8_292_166_656
+    assert count_params(KNOWN_SHAPES["Qwen/Qwen2.5-VL-3B-Instruct"])["total"] == P_3B
+    assert count_params(KNOWN_SHAPES["Qwen/Qwen2.5-VL-7B-Instruct"])["total"] == P_7B
+
+
+def test_pre_transformers_5_config_layout():
+    """Guards against misreading the hub's older config.json (text numbers at the top level, `in_chans`, the tie
+    flag in text_config): read wrong, 3B would lose or gain its 311 M-parameter LM head."""
+    flat = {
+        "model_type": "qwen2_5_vl", "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "out_hidden_size": 2048,
+                          "patch_size": 14, "temporal_patch_size": 2, "in_chans": 3, "spatial_merge_size": 2},
+    }  # fmt: skip
+    assert shape_from_config(flat) == KNOWN_SHAPES["Qwen/Qwen2.5-VL-3B-Instruct"]
+    nested = {"vision_config": flat["vision_config"], "text_config": {**flat, "vision_config": None}}
+    assert shape_from_config(nested) == KNOWN_SHAPES["Qwen/Qwen2.5-VL-3B-Instruct"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Activations per token
+
+
+def _saved_elems(module, shared, *args, **kwargs):
+    """bf16-sized elements `module`'s forward keeps for its backward, not counting its parameters and the `shared`
+    tensors (the rotary tables every layer gets)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *shared]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() / 2
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args, **kwargs)
+    return sum(kept.values())
+
+
+def test_activation_formula_matches_what_the_layers_keep(tiny_model_dir):
+    """Guards against the activation estimate drifting from what transformers' Qwen2.5-VL layers keep for their
+    backward (each RMSNorm keeps an fp32 copy; the vision block keeps its fused qkv output): counted on the tiny
+    model's decoder layer (h 128, one kv head of 64, MLP 256) and vision block (h 128, MLP 256) in bf16."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        tiny_model_dir, attn_implementation="sdpa", dtype=torch.bfloat16
+    )
+    tokens = 256
+    x = torch.randn(1, tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.arange(tokens).expand(3, 1, tokens)
+    tables = model.model.language_model.rotary_emb(x, positions)
+    layer = model.model.language_model.layers[0]
+    saved = _saved_elems(layer, tables, x, attention_mask=None, position_ids=positions, position_embeddings=tables)
+    assert saved / tokens == pytest.approx(memory_plan.layer_elems(128, 64, 256, False, rope=128)[0], rel=0.01)
+    x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
+    angles = torch.randn(tokens, 64)  # the tower's rotary tables are fp32 (a buffer FSDP2 leaves alone)
+    tables = (angles.cos(), angles.sin())
+    cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+    saved = _saved_elems(model.model.visual.blocks[0], tables, x, cu_seqlens=cu_seqlens, position_embeddings=tables)
+    expected = memory_plan.layer_elems(128, 128, 256, checkpointing=False, fused_qkv=True)[0]
+    assert saved / tokens == pytest.approx(expected, rel=0.01)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The plans of configs/geo3k.yaml (7B) and configs/geo3k_3b.yaml on 8 x 80 GB, term by term
+
+
+def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
+    """The geo3k recipe's plan written out: 8 ranks, 16384 tokens per training micro-batch and 32768 per log-prob
+    one, vLLM at 0.6 of 80 GiB with TP 2 and sleep level 1, the reference in bf16 on the GPU. Bytes."""
+    tokens, patches = 16384, 4 * 16384  # at most 4 patches (a 2 x 2 merge) per LM token
+    # training activations at the top of the LM backward: each checkpointed layer's bf16 input, each vision block's,
+    # then one decoder layer recomputed: 8 hidden-wide, 4 kv-wide and 4 MLP-wide tensors, its cos and sin
+    # (2 x head_dim 128), plus gradients (2 + 2)
+    lm_inputs = layers * tokens * hidden * 2
+    vision_inputs = 32 * patches * 1280 * 2
+    one_layer = tokens * 2 * (10 * hidden + 4 * kv + 6 * inter + 256)
+    head = 512 * vocab * 20 + tokens * hidden * 4  # one 512-token chunk of logits and its grads; final hidden states
+    top = (2 * root + 6 * layer, lm_inputs + vision_inputs + max(one_layer, head))  # (grads in flight, activations)
+    # later, the vision tower's backward: its inputs, one block recomputed (kv = hidden there, and the fused qkv
+    # output: 15 hidden-wide and 4 MLP-wide, plus gradients), its gradients
+    tower = (2 * root + 6 * vision, vision_inputs + patches * 2 * (17 * 1280 + 6 * 3420))
+    grads_in_flight, activations = max(top, tower, key=sum)
+    nograd_tokens = 32768
+    nograd = max(nograd_tokens * 2 * (4 * hidden + 3 * inter), 4 * nograd_tokens * 2 * (2 * 1280 + 3 * 3420))
+    nograd += 512 * vocab * 14 + nograd_tokens * hidden * 2
+    states = {"params": P / 2, "grads": P / 2, "adam": P, "reference": P / 4}  # 4, 4, 8 and 2 bytes over 8 ranks
+    return {
+        "update": {**states, "gathered": 2 * (root + layer + max(layer, vision)), "grads in flight": grads_in_flight,
+                   "activations": activations, "runtime": 2 * GIB},
+        "log-probs": {**states, "grads": 0, "gathered": 2 * (2 * root + layer + max(layer, vision)),
+                      "activations": nograd, "runtime": 2 * GIB},
+        "rollout": {**states, "grads": 0, "vllm awake": 0.6 * 80 * GIB, "runtime": 2 * GIB},
+        "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden + P),  # vLLM's bf16 copy: 2 bytes over TP 2
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, hand",
+    [
+        ("configs/geo3k.yaml", _by_hand(P_7B, ROOT_7B, LAYER_7B, VISION_7B, 3584, 512, 18944, 28, 152064)),
+        ("configs/geo3k_3b.yaml", _by_hand(P_3B, ROOT_3B, LAYER_3B, VISION_3B, 2048, 256, 11008, 36, 151936)),
+    ],
+)
+def test_geo3k_plans_term_by_term(config, hand):
+    """Guards against any term of the shipped recipes' plans drifting from the arithmetic the README states (a
+    shard divided by the wrong world, the frozen-in-bf16 reference counted in fp32, vLLM's share of the wrong total)."""
+    numbers = plan_memory(load_config(config, NODE), 8).numbers
+    for phase in ("update", "log-probs", "rollout"):
+        assert numbers["phases"][phase] == pytest.approx(hand[phase], rel=1e-12), phase
+    assert 8 * sum(numbers["host"].values()) == pytest.approx(hand["host per node"], rel=1e-12)
+    peak = max(sum(parts.values()) for name, parts in hand.items() if name != "host per node")
+    assert peak == pytest.approx(sum(hand["rollout"].values()))  # vLLM's 48 GiB makes the rollout the peak
+    assert peak <= 0.95 * 80 * GIB and plan_problem(plan_memory(load_config(config, NODE), 8)) is None
+
+
+def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
+    """Guards against actor.freeze_vision_tower or actor.ref_offload changing nothing in the plan (or everything):
+    a frozen tower has no gradients, AdamW moments or activations; an offloaded reference leaves the GPU."""
+    base = plan_memory(load_config("configs/geo3k.yaml", NODE), 8).numbers["phases"]["update"]
+    over = ["actor.freeze_vision_tower=true", "actor.ref_offload=true"]
+    changed = plan_memory(load_config("configs/geo3k.yaml", NODE + over), 8).numbers["phases"]["update"]
+    assert base["grads"] - changed["grads"] == pytest.approx(4 * VISION_7B / 8)
+    assert base["adam"] - changed["adam"] == pytest.approx(8 * VISION_7B / 8)
+    assert changed["reference"] == 0 and changed["params"] == base["params"]
+    assert changed["activations"] == pytest.approx(
+        28 * 16384 * 3584 * 2 + 16384 * 2 * (10 * 3584 + 4 * 512 + 6 * 18944 + 256)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The dry run and the verdict
+
+
+def _no_loading(monkeypatch):
+    """Fail the test if anything loads weights, downloads a file or forms a process group."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the dry run must not load, download or start anything")
+
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", forbidden)
+    monkeypatch.setattr(train_grpo, "setup_distributed", forbidden)
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", forbidden)
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, capsys):
+    """Guards against --dry-run needing a GPU, the weights or the network, or going on into training: for the hub
+    id of configs/geo3k.yaml (the embedded 7B numbers) and for a local directory (its config.json)."""
+    _no_loading(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # check_paths would want the 7B in the hub cache; the plan does not
+    assert main(["configs/geo3k.yaml", "--dry-run", *NODE]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen2.5-VL-7B-Instruct (8.29 B parameters), world 8, 8 x 80.0 GiB" in out
+    assert "params 3.9 | grads 3.9 | adam 7.7 | reference 1.9" in out and "-> fits" in out
+    assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0 + vllm sleep copy 7.7) = 116.2" in out
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a machine without a GPU
+    assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 0
+    assert "(1.21 M parameters), world 8, 8 x 80.0 GiB per node (no GPU here: assumed)" in capsys.readouterr().out
+
+
+def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
+    """Guards against a plan over the GPU reaching the loaders (an OOM minutes in, or a kill without a traceback):
+    the dry run stops with exit code 2 and names what to change."""
+    _no_loading(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert main(["configs/geo3k.yaml", "--dry-run", "trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=16"]) == 2
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.out
+    err = captured.err
+    assert "the update phase needs 39.1 GiB per GPU, over the 15.2 GiB usable (0.95 x 16.0 GiB" in err
+    assert "actor.max_tokens_per_micro_batch (activations)" in err and "actor.ref_offload=true" in err
+
+
+@pytest.mark.parametrize(
+    "overrides, advice",
+    [
+        # (76.0 - 3.86 params - 7.72 adam - 1.93 reference - 2.0 runtime) / 80 = 0.756
+        (["rollout.gpu_memory_utilization=0.9"], "lower rollout.gpu_memory_utilization from 0.9 to 0.75"),
+        (["actor.max_tokens_per_micro_batch=131072"], "lower actor.max_tokens_per_micro_batch from 131072 to"),
+        (["actor.max_tokens_per_micro_batch=0", "actor.micro_batch_size=16"], "lower actor.micro_batch_size from 16"),
+        (["actor.max_tokens_per_micro_batch_no_grad=400000"], "lower actor.max_tokens_per_micro_batch_no_grad"),
+        (["actor.gradient_checkpointing=false"], "set actor.gradient_checkpointing=true"),
+        (["rollout.sleep_level=0"], "set rollout.sleep_level=1"),
+        (["rollout.engine=hf"], "set rollout.engine=vllm"),  # HF generate keeps fp32 logits of every step
+        (["rollout.gpu_memory_utilization=0.05"], "raise it to >= 0.1"),  # vLLM's 7.7 GiB of weights do not fit
+    ],
+)
+def test_each_lever_is_named(overrides, advice):
+    """Guards against advice that names a key which would not help: each case is over the limit in one part
+    only, and the advice names the key of that part."""
+    problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE + overrides), 8))
+    assert problem is not None and advice in problem, problem
+
+
+def test_slurm_mem_below_the_host_plan_stops(monkeypatch):
+    """Guards against eight ranks loading into a Slurm job whose --mem cannot hold them: the cgroup kills the job
+    without a traceback (REFERENCE.md section 7)."""
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(100 * 1024))  # MB: 100 GiB, under the 7B's 116.2
+    problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE), 8))
+    assert "over the 100.0 GiB this Slurm job may use (--mem)" in problem and "rollout.sleep_level=2" in problem
+
+
+def test_a_cpu_run_prints_but_does_not_stop_and_a_cuda_run_stops(tiny_model_dir, monkeypatch, capsys):
+    """Guards against the GPU plan stopping the CPU tests and demo (their numbers are for a GPU that is not there),
+    and against a real CUDA start that does not stop when the plan is over the GPU."""
+
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(train_grpo, "setup_distributed", started)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # as torchrun would
+    # vLLM's 0.95 x 80 GiB alone is the whole usable 76 GiB
+    args = ["configs/geo3k.yaml", f"actor.model_path={tiny_model_dir}", "rollout.gpu_memory_utilization=0.95", *NODE]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(Started):  # on CPU it goes on to start the run
+        main(args)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(args) == 2
+    assert "lower rollout.gpu_memory_utilization from 0.95 to 0.92" in capsys.readouterr().err
+
+
+def test_unknown_model_offline_fails_naming_the_key(monkeypatch):
+    """Guards against an unplannable model surfacing as a stack trace: with the hub offline and the model neither
+    a directory nor a known size, the error names actor.model_path."""
+    with pytest.raises(PlanError, match=r"actor\.model_path='nobody/no-such-model': cannot read its config\.json"):
+        memory_plan.read_model_shape("nobody/no-such-model")
