@@ -9,7 +9,8 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     engine.timings                                       # seconds of the last wake / weight sync / sleep
 
 `hf` samples with the (FSDP2-sharded) training model itself: no second copy of the weights, nothing to sync,
-slow. `vllm` runs a vLLM engine inside every torchrun rank (the fast path, see VLLMEngine).
+slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vLLM engine inside every torchrun rank
+(the fast path, see VLLMEngine).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+import models
 
 # Sampling one of these would put an image placeholder into a response, and the next training forward fails with
 # "Image features and image tokens do not match". They are forbidden at every sampling step.
@@ -131,12 +134,22 @@ def pack(prompts, responses, image_token_id):
 
 class HFEngine:
     """Samples with the training model's own `generate`. Under FSDP2 every forward is a collective, so every rank
-    must generate together (`synced_gpus` keeps finished ranks stepping until all are done)."""
+    must generate together (`synced_gpus` keeps finished ranks stepping until all are done).
+
+    `generate` returns token ids only: asking it for logits (`output_logits`) would keep a fp32 (rows, vocab) tensor
+    per decode step until the call ends, 0.6 MB a row and step for Qwen's 151,936 tokens (~400 GB for 320 answers of
+    2,048 tokens). The sampled tokens' log-probs come instead from one no-grad forward over each chunk's prompts and
+    answers (models.forward_logprobs: chunked LM head, no full logits), and at most `rollout.max_num_seqs` sequences
+    go through one generate call, which bounds the KV cache and that forward alike."""
 
     def __init__(self, cfg, processor):
+        if cfg.rollout.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be >= 1")
         self.model, self.tokenizer = None, processor.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
         self.forbidden = vision_token_ids(self.tokenizer)
+        self.max_seqs = cfg.rollout.max_num_seqs
+        self.packed = cfg.actor.padding_free  # score the answers in the trainer's own layout
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
 
     def wake(self):
@@ -156,54 +169,85 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
         from transformers import GenerationConfig
 
-        device = next(self.model.parameters()).device
-        inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
-        inputs = {k: v.to(device) for k, v in inputs.items()}
+        world = dist.get_world_size() if dist.is_initialized() else 1
         greedy = params.temperature <= 0
         # A fresh config: a checkpoint's own generation_config (Qwen ships top_k=1, repetition_penalty=1.05) must
-        # not silently change the sampling distribution the loss assumes.
+        # not silently change the sampling distribution the loss assumes. No output_logits / output_scores.
         gen_cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p,
             top_k=0,  # 0 disables it; None would fall back to the library default of 50
             max_new_tokens=params.max_tokens,
-            num_return_sequences=n,
             eos_token_id=sorted(self.eos_ids),
             pad_token_id=self.pad_id,
             suppress_tokens=self.forbidden,
-            output_logits=True,
-            return_dict_in_generate=True,
             use_cache=True,
         )
-        torch.manual_seed(seed)
-        out = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=dist.get_world_size() > 1)
-        generated = out.sequences[:, inputs["input_ids"].shape[1] :].cpu()  # (B*n, R)
+        rows = [i for i in range(len(prompts)) for _ in range(n)]  # prompt of each sequence, n consecutive
+        chunks = [rows[i : i + self.max_seqs] for i in range(0, len(rows), self.max_seqs)]
+        count, filler = self._agree_on_calls(prompts, len(chunks), world)
         temperature = 1.0 if greedy else params.temperature
-        # one (B*n,) log-prob per generated position, never a (B*n, R, V) tensor
-        logps = torch.stack(
-            [
-                (step.float() / temperature)
-                .log_softmax(-1)
-                .gather(-1, generated[:, t, None].to(step.device))[:, 0]
-                .cpu()
-                for t, step in enumerate(out.logits)
-            ],
-            dim=1,
-        )  # (B*n, R)
         samples = []
-        for row in range(generated.shape[0]):
-            ids = generated[row].tolist()
-            end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
-            ids = ids if end is None else ids[:end]
-            samples.append(Sample(
-                prompt_index=row // n,
-                response_ids=ids,
-                logprobs=logps[row, : len(ids)].tolist(),
-                text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                truncated=end is None,
-            ))  # fmt: skip
+        for k in range(count):
+            real = chunks[k] if k < len(chunks) else []  # past its own chunks a rank runs filler calls
+            chunk_prompts = [prompts[i] for i in real] or filler
+            answers = self._sample_chunk(chunk_prompts, gen_cfg, chunk_seed(seed, k), temperature, world)
+            for i, (ids, logp, truncated) in zip(real, answers):
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                samples.append(Sample(prompt_index=i, response_ids=ids, logprobs=logp, text=text, truncated=truncated))
         return samples
+
+    def _agree_on_calls(self, prompts, chunks, world):
+        """Every generate step and every log-prob forward all-gathers FSDP2 shards, so every rank must make as many
+        calls as the rank with the most chunks, or their collectives pair up wrongly and hang or crash. synced_gpus
+        covers answers of different lengths within a call; a rank with fewer chunks runs filler calls (one sequence
+        of a prompt it holds) and drops what they return. Returns the agreed number of calls and the filler.
+
+        The filler repeats a real prompt because a call runs the vision tower, another collective, only when its
+        prompts have images: with images on one rank and none on another the ranks fall out of step. (So the ranks'
+        chunks must agree on having images, as the training forwards' micro-batches must.) A rank with no prompt at
+        all borrows one from another rank."""
+        device = next(self.model.parameters()).device
+        need = torch.tensor([chunks, -len(prompts)], device=device)  # MAX of both: most chunks, fewest prompts
+        if world > 1:
+            dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        count, fewest = int(need[0]), -int(need[1])
+        if fewest > 0 or count == 0:
+            return count, prompts[-1:]
+        offered = [None] * world
+        mine = [Prompt(p.input_ids, p.pixel_values, p.image_grid_thw, []) for p in prompts[-1:]]  # no PIL images
+        dist.all_gather_object(offered, mine)
+        return count, next(o for o in offered if o)
+
+    def _sample_chunk(self, prompts, gen_cfg, seed, temperature, world):
+        """One generate call on `prompts` (one sequence each), then one no-grad forward for the log-probs of what it
+        sampled. Returns (response ids cut after the first end-of-sequence token, their log-probs, truncated) per
+        prompt."""
+        device = next(self.model.parameters()).device
+        inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        torch.manual_seed(seed)
+        sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
+        responses, truncated = [], []
+        for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
+            responses.append(ids if end is None else ids[:end])
+            truncated.append(end is None)
+        del inputs, sequences  # the KV cache went with the call: the forward below has the memory to itself
+        if self.packed:
+            batch, response_ids, _ = pack(prompts, responses, self.image_token_id)
+        else:
+            batch, response_ids, _ = collate(prompts, responses, self.pad_id, self.image_token_id)
+        logp = models.forward_logprobs(self.model, batch, response_ids, temperature)[0].cpu()  # (C, T)
+        return [(ids, logp[row, : len(ids)].tolist(), cut) for row, (ids, cut) in enumerate(zip(responses, truncated))]
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """Seed of the chunk-th generate call of one `HFEngine.generate`: chunk 0 keeps the caller's seed (a batch that
+    fits one call samples what it did before chunking existed), later chunks step by 2^64 / golden ratio (a Weyl
+    sequence), far from any nearby caller seed, so a resumed run samples exactly the same answers."""
+    return (seed + chunk * 0x9E3779B97F4A7C15) % 2**64
 
 
 def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:

@@ -142,7 +142,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
     sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
-    max_num_seqs: int = 256  # vllm: most sequences decoded together per engine
+    max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = 1  # vllm reserves vision-encoder memory for this many images in one prompt
     enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
 
