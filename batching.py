@@ -97,3 +97,23 @@ def balance_over_ranks(items: list, lengths: list[int]) -> tuple[list, int]:
             dist.recv_object_list(received, src=src)
             mine += received[0]
     return mine, len(moves)
+
+
+def shared_prefix_parts(groups: list[list[int]], prompt_lens: list[int], lengths: list[int], budget: int):
+    """Split groups of answers that share a prompt into parts that fit the token budget, each part costing its
+    prompt once plus its answers (the shared-prefix layout lays a part out as [prompt | answer 1 | ... | answer k]).
+    groups: answer indices per group, prompt_lens: per group, lengths: per answer. Answers keep their order; a part
+    of one answer always fits (it cannot be split). Returns (parts, costs)."""
+    parts, costs = [], []
+    for group, p_len in zip(groups, prompt_lens):
+        part, cost = [], p_len
+        for i in group:
+            if part and cost + lengths[i] > budget:
+                parts.append(part)
+                costs.append(cost)
+                part, cost = [], p_len
+            part.append(i)
+            cost += lengths[i]
+        parts.append(part)
+        costs.append(cost)
+    return parts, costs

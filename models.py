@@ -85,75 +85,112 @@ def _has_varlen() -> bool:
     return True
 
 
-def packed_bounds(module, attention_mask, position_ids, query, key, kwargs):
-    """(cu_seqlens, max_len) of a packed causal row, or None when this call is not one: the decoder's forward of a
-    packed micro-batch comes without a mask, as one row, with forward_logprobs's `packed_cu_seqlens` (computed once
-    per micro-batch, so no layer re-derives them from the positions with host syncs). Padded batches, generate
-    (its KV cache makes keys longer than queries) and the vision tower (not causal) are not packed."""
-    cu = kwargs.pop("packed_cu_seqlens", None)
-    max_len = kwargs.pop("packed_max_seqlen", None)
+class PackedLayout:
+    """Where the segments of a packed row lie and what each may attend to: causally to itself, and, for an answer of
+    a shared-prefix group, also to the whole of its group's prompt (`prefix`). forward_logprobs builds one per
+    micro-batch and hands it to every decoder layer's attention, which takes the form it needs: a block mask on CPU,
+    the varlen kernel's arguments on CUDA. Both are built once and reused by every layer and by the recompute of
+    gradient checkpointing, so no layer re-derives bounds with host syncs.
+
+    segments: [(start, end, prefix_start, prefix_end)] in row order, covering the row; prefix_end == prefix_start
+    when a segment has no prefix."""
+
+    def __init__(self, segments, length, device):
+        self.segments, self.length, self.device = segments, length, device
+        self._mask = self._varlen = None
+
+    @classmethod
+    def sequences(cls, seq_lens, device):
+        """The plain packed layout: whole sequences back to back, no prefixes."""
+        bounds = [0, *torch.as_tensor(seq_lens).cumsum(0).tolist()]
+        return cls([(s, e, 0, 0) for s, e in zip(bounds[:-1], bounds[1:])], bounds[-1], device)
+
+    def block_mask(self):
+        """(1, 1, L, L) bool, True where query row may attend to key column."""
+        if self._mask is None:
+            mask = torch.zeros(self.length, self.length, dtype=torch.bool)
+            for s, e, ps, pe in self.segments:
+                mask[s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+                mask[s:e, ps:pe] = True
+            self._mask = mask.to(self.device)[None, None]
+        return self._mask
+
+    def varlen_args(self):
+        """(key_index or None, cu_q, cu_k, max_q, max_k) for the varlen kernel. Queries are the row as it is, one
+        sequence per segment; the keys of a segment are its prefix followed by itself, gathered by key_index (None
+        when no segment has a prefix: the keys are then the row too). With more keys than queries, the kernel's
+        causal mask is aligned to the bottom right (flash-attention's convention, varlen_attn's window (-1, 0)):
+        query j of a segment sees the whole prefix and the segment up to j."""
+        if self._varlen is None:
+            q_lens = [e - s for s, e, _, _ in self.segments]
+            k_lens = [e - s + pe - ps for s, e, ps, pe in self.segments]
+            cu = lambda lens: torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)  # noqa: E731
+            key_index = None
+            if any(pe > ps for _, _, ps, pe in self.segments):
+                key_index = torch.cat([torch.cat([torch.arange(ps, pe), torch.arange(s, e)])
+                                       for s, e, ps, pe in self.segments]).to(self.device)  # fmt: skip
+            self._varlen = (key_index, cu(q_lens).to(self.device), cu(k_lens).to(self.device), max(q_lens), max(k_lens))
+        return self._varlen
+
+
+def packed_layout(module, attention_mask, query, key, position_ids, kwargs):
+    """The PackedLayout of this attention call, or None when it is not a packed one: the decoder's forward of a
+    packed micro-batch comes as one row without a mask, with forward_logprobs's `packed_layout`. Padded batches,
+    generate (its KV cache makes keys longer than queries) and the vision tower (not causal) are not packed; a
+    packed row from elsewhere (a user's own forward) is recognised by text positions that restart at 0."""
+    layout = kwargs.pop("packed_layout", None)
     causal = getattr(module, "is_causal", True)
     packed = attention_mask is None and query.shape[0] == 1 and key.shape[2] == query.shape[2] and causal
     if not packed or query.shape[2] == 1:
         return None
-    if cu is None:  # a packed row from elsewhere (a user's own forward): the text positions restart at 0
-        if position_ids is None:
-            return None
+    if layout is None and position_ids is not None:
         starts = (position_ids[0] == 0).nonzero().flatten().tolist()
-        if starts[:1] != [0]:
-            starts.insert(0, 0)
-        cu = torch.tensor(starts + [query.shape[2]], device=query.device, dtype=torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
-    return cu, max_len
+        bounds = [0, *(x for x in starts if x > 0), query.shape[2]]
+        layout = PackedLayout.sequences(torch.tensor(bounds).diff(), query.device)
+    return layout
 
 
 def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """PyTorch sdpa that keeps a packed row's sequences apart: the CPU stand-in for the varlen kernel.
-
-    A packed forward passes no mask and its sequence bounds; this runs causal sdpa on each sequence's slice (cost
-    sum(n_i^2), where one block-diagonal mask would cost L^2 and L^2 bytes). Every other call (padded batches,
-    generate, the vision tower) is plain transformers sdpa."""
+    """PyTorch sdpa that keeps a packed row's segments apart: the CPU stand-in for the varlen kernel. One sdpa call
+    per layer with the micro-batch's block mask (PackedLayout.block_mask), not a Python loop over sequences; every
+    other call (padded batches, generate, the vision tower) is plain transformers sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = packed_bounds(module, attention_mask, position_ids, query, key, kwargs)
-    if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    cu = bounds[0].tolist()
-    outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-        for s, e in zip(cu[:-1], cu[1:])
-    ]  # each (1, n_i, heads, D)
-    return torch.cat(outs, dim=1), None
+    layout = packed_layout(module, attention_mask, query, key, position_ids, kwargs)
+    mask = attention_mask if layout is None else layout.block_mask()
+    return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
 
 
-def varlen_kernel(q, k, v, cu_seqlens, max_len, causal, scale):
-    """PyTorch's flash-attention varlen kernel, forward and backward (CUDA only; bf16/fp16). q (L, Hq, D), k and v
-    (L, Hkv, D), L = all tokens of the row; sequence i is rows cu_seqlens[i]:cu_seqlens[i+1]. Grouped-query heads
-    are handled by the kernel itself (enable_gqa), without repeating k and v. Tests swap in a CPU reference."""
+def varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """PyTorch's flash-attention varlen kernel, forward and backward (CUDA only; bf16/fp16). q (Lq, Hq, D), k and v
+    (Lk, Hkv, D); sequence i is q rows cu_q[i]:cu_q[i+1] against k rows cu_k[i]:cu_k[i+1]. Grouped-query heads are
+    handled by the kernel itself (enable_gqa), without repeating k and v. Tests swap in a CPU reference."""
     from torch.nn.attention.varlen import varlen_attn
 
-    window = (-1, 0) if causal else (-1, -1)  # (-1, 0) is how varlen_attn spells causal
+    window = (-1, 0) if causal else (-1, -1)  # (-1, 0) is how varlen_attn spells causal (bottom-right aligned)
     gqa = q.shape[1] != k.shape[1]
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, window_size=window,
-                       enable_gqa=gqa)  # fmt: skip
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, enable_gqa=gqa)
 
 
 def varlen_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """Attention for CUDA without flash-attn: packed rows (the decoder, causal) and the vision tower's images and
-    windows (full attention, bounds from the tower) through one varlen kernel call per layer; every other call
-    (padded batches, generate) is plain sdpa. query (1, Hq, L, D), key/value (1, Hkv, L, D) -> (1, L, Hq, D)."""
+    """Attention for CUDA without flash-attn: packed rows (the decoder, causal, shared prefixes included) and the
+    vision tower's images and windows (full attention, bounds from the tower) through one varlen kernel call per
+    layer; every other call (padded batches, generate) is plain sdpa.
+    query (1, Hq, L, D), key/value (1, Hkv, L, D) -> (1, L, Hq, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if kwargs.get("cu_seq_lens_q") is not None:  # the vision tower (under VISION_VARLEN): full attention per chunk
-        bounds, causal = (kwargs["cu_seq_lens_q"], kwargs["max_length_q"]), False
-    else:
-        bounds, causal = packed_bounds(module, attention_mask, position_ids, query, key, kwargs), True
-    if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    cu, max_len = bounds
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, heads, D)
-    out = varlen_kernel(q, k, v, cu.to(torch.int32), int(max_len), causal, kwargs.get("scaling"))  # (L, Hq, D)
-    return out.unsqueeze(0), None
+    scale = kwargs.get("scaling")
+    if kwargs.get("cu_seq_lens_q") is not None:  # the vision tower (under VISION_VARLEN): full attention per chunk
+        cu, max_len = kwargs["cu_seq_lens_q"].to(torch.int32), int(kwargs["max_length_q"])
+        return varlen_kernel(q, k, v, cu, cu, max_len, max_len, False, scale).unsqueeze(0), None
+    layout = packed_layout(module, attention_mask, query, key, position_ids, kwargs)
+    if layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    key_index, cu_q, cu_k, max_q, max_k = layout.varlen_args()
+    if key_index is not None:  # each answer's keys: its group's prompt, then itself
+        k, v = k[key_index], v[key_index]  # (K, Hkv, D); backward adds the prompt's key gradients up
+    return varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, True, scale).unsqueeze(0), None  # (1, L, Hq, D)
 
 
 def _register_attention():
@@ -172,19 +209,50 @@ def use_varlen_in_vision_tower(model):
         model.model.visual.config._attn_implementation = VISION_VARLEN
 
 
-def packed_position_ids(model, input_ids, mm_token_type_ids, image_grid_thw, seq_lens):
-    """Position ids (4, 1, L) for a packed row. Rows 1-3 are each sequence's own mRoPE (temporal, height, width)
-    positions from the model's get_rope_index, as if it were alone; row 0 counts 0, 1, ... within each sequence,
-    which is how transformers (and sdpa_packed) find where sequences start."""
-    b, longest = len(seq_lens), int(seq_lens.max())
-    valid = torch.arange(longest, device=input_ids.device)[None] < seq_lens.to(input_ids.device)[:, None]  # (B, Lmax)
-    padded_ids = torch.zeros(b, longest, dtype=input_ids.dtype, device=input_ids.device)
-    padded_ids[valid] = input_ids[0]
-    padded_types = torch.zeros_like(padded_ids)
-    padded_types[valid] = mm_token_type_ids[0]
-    mrope, _ = model.model.get_rope_index(padded_ids, padded_types, image_grid_thw, attention_mask=valid.long())
-    text = torch.arange(longest, device=input_ids.device).expand(b, -1)[valid]  # (L,)
-    return torch.cat([text[None], mrope[:, valid]])[:, None]  # (4, 1, L)
+def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens):
+    """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
+
+    The row holds parts [prompt | answer 1 | ... | answer k], k = group_sizes[g] (k = 1: a plain sequence). Returns
+    - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width). Every answer gets the
+      positions it would have right after its prompt, alone: each part's prompt with its longest answer goes
+      through the model's own get_rope_index, and an answer's tokens take the columns after the prompt (answers
+      hold text only -- vision tokens are never sampled -- whose positions run on from the prompt's);
+    - keep (R,): the row positions whose hidden states predict the R answer tokens (an answer's first token is
+      predicted by its prompt's last position, shared by the group), and targets (R,): the answer tokens' positions;
+    - the PackedLayout of the row's segments."""
+    parts, keep, targets, segments, column, part = [], [], [], [], [], []
+    offset, r = 0, 0
+    for g, (p_len, k) in enumerate(zip(prompt_lens.tolist(), group_sizes.tolist())):
+        lens = response_lens[r : r + k].tolist()
+        prompt_end = a = offset + p_len
+        longest = max(range(k), key=lambda j: lens[j])
+        longest_start = prompt_end + sum(lens[:longest])
+        parts.append(torch.cat([host_ids[offset:prompt_end], host_ids[longest_start : longest_start + lens[longest]]]))
+        segments.append((offset, prompt_end + lens[0] if k == 1 else prompt_end, 0, 0))
+        column += range(p_len)
+        for n in lens:
+            keep += [prompt_end - 1, *range(a, a + n - 1)]
+            targets += range(a, a + n)
+            column += range(p_len, p_len + n)
+            if k > 1:
+                segments.append((a, a + n, offset, prompt_end))
+            a += n
+        part += [g] * (a - offset)
+        offset, r = a, r + k
+    # each part's (prompt | longest answer) as a padded batch: what get_rope_index takes
+    width = max(len(x) for x in parts)
+    ids = torch.zeros(len(parts), width, dtype=host_ids.dtype)  # (G, W)
+    valid = torch.arange(width)[None] < torch.tensor([len(x) for x in parts])[:, None]  # (G, W)
+    ids[valid] = torch.cat(parts)
+    types = (ids == model.config.image_token_id).long()  # (G, W), as rollout.pack marks image tokens
+    device = next(model.parameters()).device
+    grid = image_grid_thw.to(device) if image_grid_thw is not None else None
+    valid = valid.to(device).long()
+    mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), grid, attention_mask=valid)  # (3, G, W)
+    column, part = torch.tensor(column, device=device), torch.tensor(part, device=device)  # (L,), (L,)
+    positions = torch.cat([column[None], mrope[:, part, column]])[:, None]  # (4, 1, L)
+    layout = PackedLayout(segments, offset, device)
+    return positions, torch.tensor(keep, device=device), torch.tensor(targets, device=device), layout
 
 
 def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
@@ -215,33 +283,28 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
 
     A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
-    (flash-attn varlen or sdpa_packed keep attention inside each sequence); its response log-probs come back in the
-    same padded (B, T) layout as the padded path's."""
+    (varlen_packed or sdpa_packed keep attention inside each sequence, and a shared prompt visible to each of its
+    answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
     labels = response_ids.to(device)  # (B, T)
-    if "seq_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
+    if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
         # (the state at the last position predicts nothing we sampled; the head drops it)
         out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
     else:
-        seq_lens, response_lens = inputs.pop("seq_lens"), inputs.pop("response_lens").to(device)  # (B,), (B,)
-        position_ids = packed_position_ids(
-            model, inputs["input_ids"], inputs["mm_token_type_ids"], inputs.get("image_grid_thw"), seq_lens
-        )
-        # response token j of sequence i sits at end_i - len_i + j and is predicted by the position before it
-        ends = seq_lens.to(device).cumsum(0)  # (B,)
-        keep = torch.cat([torch.arange(e - n - 1, e - 1, device=device) for e, n in zip(ends, response_lens)])
-        flat_labels = inputs["input_ids"][:, keep + 1]  # (1, R), R = all response tokens
+        for key in ("prompt_lens", "group_sizes", "response_lens"):
+            inputs.pop(key)
+        response_lens = batch_inputs["response_lens"]  # (B,), on the host
+        position_ids, keep, targets, layout = packed_positions(
+            model, batch_inputs["input_ids"][0], batch_inputs.get("image_grid_thw"), batch_inputs["prompt_lens"],
+            batch_inputs["group_sizes"], response_lens,
+        )  # fmt: skip
+        flat_labels = inputs["input_ids"][:, targets]  # (1, R), R = all response tokens
         no_mask = dict.fromkeys(model.config.text_config.layer_types)  # prepared "masks": none, the row is packed
-        # sequence bounds once per micro-batch, from host-side lengths (no device sync); every decoder layer's
-        # attention (sdpa_packed, varlen_packed) takes them from these keyword arguments
-        host_lens = batch_inputs["seq_lens"]  # (B,), on the host
-        cu_seqlens = torch.nn.functional.pad(host_lens.cumsum(0), (1, 0)).to(device, torch.int32)  # (B + 1,)
-        extra = {"position_ids": position_ids, "attention_mask": no_mask, "packed_cu_seqlens": cu_seqlens,
-                 "packed_max_seqlen": int(host_lens.max())}  # fmt: skip
+        extra = {"position_ids": position_ids, "attention_mask": no_mask, "packed_layout": layout}
         flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
         flat = flat[0]  # (R, 1 or 2)
-        valid = torch.arange(labels.shape[1], device=device)[None] < response_lens[:, None]  # (B, T)
+        valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
         out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
     logp = out[..., 0]  # (B, T)
     entropy = None

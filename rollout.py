@@ -105,31 +105,40 @@ def stacked_images(prompts) -> dict:
     }
 
 
-def pack(prompts, responses, image_token_id):
-    """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere.
+def pack(prompts, responses, image_token_id, share_prompts=False):
+    """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
+    `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
+    [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
+    each response see the prompt but not the other responses (models.PackedLayout).
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
-    `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry two extra
-    entries that models.forward_logprobs turns into per-sequence positions and the indices of the logits it
-    needs: `seq_lens` (B,) and `response_lens` (B,).
+    `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
+    extra host-side entries from which models.forward_logprobs works out positions, attention and the logits it
+    needs: `prompt_lens` (G,) and `group_sizes` (G,) of the row's parts, `response_lens` (B,).
     """
-    rows = []
     t_len = max(len(r) for r in responses)
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
+    pieces, part_prompts, group_sizes = [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
-        rows.append(torch.cat([p.input_ids, r]))
+        if not (share_prompts and i > 0 and p is prompts[i - 1]):
+            pieces.append(p.input_ids)
+            part_prompts.append(p)
+            group_sizes.append(0)
+        pieces.append(r)
+        group_sizes[-1] += 1
         response_ids[i, : len(r)] = r
         response_mask[i, : len(r)] = 1
-    input_ids = torch.cat(rows)[None]  # (1, L)
+    input_ids = torch.cat(pieces)[None]  # (1, L)
     inputs = {
         "input_ids": input_ids,
         "mm_token_type_ids": (input_ids == image_token_id).long(),  # (1, L)
-        "seq_lens": torch.tensor([len(x) for x in rows]),  # (B,)
+        "prompt_lens": torch.tensor([len(p.input_ids) for p in part_prompts]),  # (G,)
+        "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
-    return {**inputs, **stacked_images(prompts)}, response_ids, response_mask
+    return {**inputs, **stacked_images(part_prompts)}, response_ids, response_mask
 
 
 class HFEngine:

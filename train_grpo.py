@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from batching import balance_over_ranks, plan_micro_batches
+from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
@@ -107,6 +107,7 @@ class ActorConfig:
     micro_batch_size: int = 4  # sequences per forward/backward per rank (gradient accumulation fills the rest)
     micro_batch_size_no_grad: int = 16  # sequences per forward for old/ref log-probs
     padding_free: bool = True  # pack each micro-batch's sequences into one row, no pad tokens (issue 6)
+    shared_prefix: bool = True  # packed: a group's prompt and images once for all its answers in a micro-batch
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of micro_batch_size
     max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
     balance_ranks: bool = True  # with a token budget: move a few sequences so every rank has as many tokens
@@ -626,7 +627,9 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
     old, ref = [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
         for mb, _ in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):  # a re-run writes again
-            batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, cfg.actor.padding_free)
+            batch_inputs, response_ids, mask = make_micro_batch(
+                prompts, samples, mb, ids, cfg.actor.padding_free, shares_prefixes(cfg.actor)
+            )
             lengths = mask.sum(1).long().tolist()
             for out, m in ((old, model if need_old else None), (ref, ref_model)):
                 if m is not None:
@@ -659,9 +662,27 @@ def global_advantages(scores, group_size, estimator, eps):
     return compute_advantages(torch.cat(gathered), group_size, estimator, eps).view(len(gathered), -1)[dist.get_rank()]
 
 
+def shares_prefixes(actor) -> bool:
+    """actor.shared_prefix where it is exact: packed micro-batches through this trainer's own attention functions.
+    transformers' flash_attention_2 would find the sequences of a row from its positions alone and let the answers
+    of a group see each other."""
+    ours = actor.attn_implementation in ("auto", "sdpa", "sdpa_packed", "varlen_packed")
+    return actor.shared_prefix and actor.padding_free and ours
+
+
+def prompt_groups(prompts, samples, indices):
+    """`indices` gathered into groups of samples with the same prompt (the same Prompt object), in order of first
+    appearance: the samples of one group on this rank."""
+    groups = {}
+    for i in indices:
+        groups.setdefault(id(prompts[samples[i].prompt_index]), []).append(i)
+    return list(groups.values())
+
+
 def micro_batches(prompts, samples, indices, cfg, grad):
     """Split `indices` (samples of this rank) into micro-batches: actor.micro_batch_size sequences each, or, with a
     token budget, balanced bins of at most that many prompt + response tokens, as many on every rank (collective).
+    With shared prefixes a bin holds parts of groups, each costing its prompt once (batching.shared_prefix_parts).
 
     Yields (sample indices, live). A rank that ends up with fewer sequences than the agreed number of micro-batches
     (possible after balance_over_ranks) still has to join every forward and backward: its surplus micro-batches
@@ -673,17 +694,25 @@ def micro_batches(prompts, samples, indices, cfg, grad):
     if not budget:
         size = a.micro_batch_size if grad else a.micro_batch_size_no_grad
         return [(indices[i : i + size], True) for i in range(0, len(indices), size)]
-    lengths = [len(prompts[samples[i].prompt_index].input_ids) + len(samples[i].response_ids) for i in indices]
-    shortest = indices[lengths.index(min(lengths))]
-    return [([indices[j] for j in b], True) if b else ([shortest], False) for b in plan_micro_batches(lengths, budget)]
+    prompt_len = {i: len(prompts[samples[i].prompt_index].input_ids) for i in indices}
+    lengths = {i: len(samples[i].response_ids) for i in indices}
+    if shares_prefixes(a):
+        groups = prompt_groups(prompts, samples, indices)
+        parts, costs = shared_prefix_parts(groups, [prompt_len[g[0]] for g in groups], lengths, budget)
+    else:
+        parts, costs = [[i] for i in indices], [prompt_len[i] + lengths[i] for i in indices]
+    shortest = min(indices, key=lambda i: prompt_len[i] + lengths[i])
+    bins = plan_micro_batches(costs, budget)
+    return [([i for j in b for i in parts[j]], True) if b else ([shortest], False) for b in bins]
 
 
-def make_micro_batch(prompts, samples, mb, ids, packed):
-    """Model inputs, response_ids (B, T) and response_mask (B, T) of the samples `mb`, packed or padded."""
+def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
+    """Model inputs, response_ids (B, T) and response_mask (B, T) of the samples `mb`, packed (each group's prompt
+    once when `shared`) or padded."""
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
     if packed:
-        return rollout.pack(mb_prompts, responses, image_token_id)
+        return rollout.pack(mb_prompts, responses, image_token_id, share_prompts=shared)
     return rollout.collate(mb_prompts, responses, pad_id, image_token_id)
 
 
@@ -693,7 +722,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     a, world = cfg.actor, dist.get_world_size()
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    device = next(model.parameters()).device
+    device, shared = next(model.parameters()).device, shares_prefixes(a)
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
     for start in range(0, len(all_samples), seqs_per_step):
         # this optimizer step's sequences, each with its own prompt entry so that they can move between ranks
@@ -701,7 +730,9 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
                   all_old[i] if all_old else None, all_ref[i] if all_ref else None)
                  for i in range(start, start + seqs_per_step)]  # fmt: skip
         if a.max_tokens_per_micro_batch and a.balance_ranks and world > 1:
-            lengths = [len(p.input_ids) + len(s.response_ids) for p, s, *_ in items]
+            # with shared prefixes a prompt is computed once for its group: each answer bears 1/n of it
+            share = cfg.rollout.n if shared else 1
+            lengths = [len(p.input_ids) // share + len(s.response_ids) for p, s, *_ in items]
             items, moved = balance_over_ranks(items, lengths)
             stats["actor/moved_sequences"] += moved
         prompts = [it[0] for it in items]
@@ -717,7 +748,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
-            batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free)
+            batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free, shared)
             stats["actor/micro_batches"] += 1
             if not live:  # only here to keep the collectives in step: a zero mask zeroes its loss and every statistic
                 mask = torch.zeros_like(mask)

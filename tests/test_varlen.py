@@ -12,15 +12,22 @@ import rollout
 from tests.test_packing import _mixed_batch
 
 
-def reference_varlen(q, k, v, cu_seqlens, max_len, causal, scale):
-    """What torch.nn.attention.varlen.varlen_attn computes, one sequence at a time with sdpa (CPU, any dtype)."""
-    cu = cu_seqlens.tolist()
-    assert cu_seqlens.dtype == torch.int32 and cu[0] == 0 and cu[-1] == q.shape[0]
-    assert max_len == max(e - s for s, e in zip(cu[:-1], cu[1:]))
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """What torch.nn.attention.varlen.varlen_attn computes, one sequence at a time with sdpa (CPU, any dtype). With
+    more keys than queries its causal mask is aligned to the bottom right, as flash-attention's kernels align it:
+    query j of a sequence sees keys up to j + (keys - queries)."""
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and q_bounds[0] == k_bounds[0] == 0
+    assert q_bounds[-1] == q.shape[0] and k_bounds[-1] == k.shape[0] and len(q_bounds) == len(k_bounds)
+    assert max_q == max(e - s for s, e in zip(q_bounds[:-1], q_bounds[1:]))
+    assert max_k == max(e - s for s, e in zip(k_bounds[:-1], k_bounds[1:]))
     outs = []
-    for s, e in zip(cu[:-1], cu[1:]):
-        qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))  # (heads, n, D)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True)
+    for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+        mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool)
+        if causal:
+            mask = mask.tril(diagonal=(ke - ks) - (qe - qs))
+        qh, kh, vh = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # (heads, n, D)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         outs.append(o.transpose(0, 1))  # (n, Hq, D)
     return torch.cat(outs)
 
@@ -29,9 +36,9 @@ def reference_varlen(q, k, v, cu_seqlens, max_len, causal, scale):
 def recorded_kernel(monkeypatch):
     calls = []
 
-    def kernel(q, k, v, cu_seqlens, max_len, causal, scale):
-        calls.append({"causal": causal, "n": len(cu_seqlens) - 1, "heads": (q.shape[1], k.shape[1])})
-        return reference_varlen(q, k, v, cu_seqlens, max_len, causal, scale)
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        calls.append({"causal": causal, "n": len(cu_q) - 1, "heads": (q.shape[1], k.shape[1]), "keys": k.shape[0]})
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
     monkeypatch.setattr(models, "varlen_kernel", kernel)
     return calls
@@ -101,8 +108,8 @@ def test_varlen_packed_is_sdpa_off_the_packed_path(recorded_kernel):
         torch.testing.assert_close(models.varlen_packed(module, *args)[0], want)
     assert recorded_kernel == []
     # a packed row with bounds: each sequence equals itself alone
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    got = models.varlen_packed(module, q[:1], k[:1], v[:1], None, packed_cu_seqlens=cu, packed_max_seqlen=4)[0]
+    layout = models.PackedLayout.sequences([2, 4], torch.device("cpu"))
+    got = models.varlen_packed(module, q[:1], k[:1], v[:1], None, packed_layout=layout)[0]
     for s, e in ((0, 2), (2, 6)):
         alone = sdpa_attention_forward(module, q[:1, :, s:e], k[:1, :, s:e], v[:1, :, s:e], None)[0]
         torch.testing.assert_close(got[:, s:e], alone)
