@@ -6,7 +6,10 @@
    partition) laid out by rollout.pack, no pad tokens, attention kept inside each sequence.
 2. Peak memory, naive vs chunked log-probs: the full (B, T, V) fp32 logits then log_softmax, against the trainer's
    chunked LM head, on one padded micro-batch.
-3. Packing efficiency = real tokens / processed tokens, for a geo3k-sized step on `--ranks` ranks in lockstep
+3. Step time, packed vs shared prefix (issue 13): the same token budget, but each group's prompt once per
+   micro-batch part [prompt | answer 1 | ... | answer k] (batching.shared_prefix_parts), attention letting each
+   answer see its prompt and not its siblings. Prints the step-time ratio and the processed-token ratio.
+4. Packing efficiency = real tokens / processed tokens, for a geo3k-sized step on `--ranks` ranks in lockstep
    (under FSDP2 every micro-batch is a collective, so each micro-batch step costs every rank as much as the
    fullest rank's): token-budget packing against padded micro-batches, from the same sampled lengths.
 
@@ -99,9 +102,18 @@ def padded_tokens(lengths, group):
     return len(group) * (max(lengths[i][0] for i in group) + max(lengths[i][1] for i in group))
 
 
-def micro_batches(variant, lengths, args):
+def micro_batches(variant, lengths, args, samples=None):
     if variant == "packed":
         return batching.token_budget_micro_batches([p + r for p, r in lengths], args.budget)
+    if variant == "shared":  # as train_grpo.micro_batches plans them with actor.shared_prefix
+        groups = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.prompt_index, []).append(i)
+        groups = list(groups.values())
+        response_lens = {i: r for i, (_, r) in enumerate(lengths)}
+        parts, costs = batching.shared_prefix_parts(groups, [lengths[g[0]][0] for g in groups], response_lens,
+                                                    args.budget)  # fmt: skip
+        return [[i for j in b for i in parts[j]] for b in batching.token_budget_micro_batches(costs, args.budget)]
     return padded_groups(lengths, args.micro_batch_size)
 
 
@@ -170,7 +182,7 @@ class Peak:
 def run_variant(args):
     """One variant in this (fresh) process; prints one JSON line."""
     device = torch.device("cuda" if args.gpu else "cpu")
-    packed = args.variant == "packed"
+    packed, shared = args.variant in ("packed", "shared"), args.variant == "shared"
     # as the trainer runs them: on CUDA varlen_packed (packed rows through the varlen kernel, padded ones through sdpa)
     attn = "varlen_packed" if args.gpu else ("sdpa_packed" if packed else "sdpa")
     model = build_model(args.hidden, args.layers, device, attn)
@@ -198,8 +210,8 @@ def run_variant(args):
     else:  # one rank's batch, over all its micro-batches
         lengths = sample_lengths(args.prompts, args.n, args.seed)
         prompts, samples = build_rollout(lengths)
-        groups = micro_batches(args.variant, lengths, args)
-        batches = [train_grpo.make_micro_batch(prompts, samples, g, (0, IMAGE_TOKEN), packed) for g in groups]
+        groups = micro_batches(args.variant, lengths, args, samples)
+        batches = [train_grpo.make_micro_batch(prompts, samples, g, (0, IMAGE_TOKEN), packed, shared) for g in groups]
         total = sum(r for _, r in lengths)
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
@@ -210,7 +222,11 @@ def run_variant(args):
             times.append(m.seconds)
             peak = m.mib if peak is None else peak
         real = sum(p + r for p, r in lengths)
-        processed = real if packed else sum(padded_tokens(lengths, g) for g in groups)
+        processed = (
+            sum(b[0]["input_ids"].shape[1] for b in batches)
+            if packed
+            else sum(padded_tokens(lengths, g) for g in groups)
+        )
         extra.update(micro_batches=len(groups), real_tokens=real, processed_tokens=processed)
     grad = model.lm_head.weight.grad.float().norm().item()
     result = {"variant": args.variant, "peak_mib": peak, "seconds": min(times), "head_grad_norm": grad, **extra}
@@ -238,7 +254,7 @@ def main():
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variant", choices=["naive", "chunked", "padded", "packed"], help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=["naive", "chunked", "padded", "packed", "shared"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
         return run_variant(args)
@@ -247,14 +263,14 @@ def main():
     print(f"vocab {VOCAB} | hidden {args.hidden} x {args.layers} layers | {device} | torch {torch.__version__} | "
           f"{os.cpu_count()} CPUs")  # fmt: skip
     results = {}
-    for variant in ("padded", "packed", "naive", "chunked"):
+    for variant in ("padded", "packed", "shared", "naive", "chunked"):
         cmd = [sys.executable, __file__, "--variant", variant, *sys.argv[1:]]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"  {variant:<8} {results[variant]['seconds']:8.2f} s  peak {results[variant]['peak_mib']:8.0f} MiB")
-    pad, pack, naive, chunked = (results[k] for k in ("padded", "packed", "naive", "chunked"))
+    pad, pack, shared, naive, chunked = (results[k] for k in ("padded", "packed", "shared", "naive", "chunked"))
 
     # the lockstep efficiency of a geo3k-sized step: seqs_per_rank sequences on each of `ranks` ranks
     n_prompts = -(-args.seqs_per_rank // args.n)
@@ -269,6 +285,8 @@ def main():
           f"{pad['processed_tokens']} processed tokens")  # fmt: skip
     print(f"  packed  {pack['micro_batches']:3d} micro-batches <= {args.budget} tokens: {pack['seconds']:7.2f} s, "
           f"{pack['processed_tokens']} processed tokens")  # fmt: skip
+    print(f"  shared  {shared['micro_batches']:3d} micro-batches <= {args.budget} tokens: {shared['seconds']:7.2f} s, "
+          f"{shared['processed_tokens']} processed tokens (each prompt once per micro-batch part)")  # fmt: skip
     print(f"peak memory of one padded micro-batch's log-prob step ({naive['padded_tokens']} tokens):")
     print(f"  naive {naive['peak_mib']:.0f} MiB, chunked {chunked['peak_mib']:.0f} MiB")
     print(f"lockstep efficiency, {args.ranks} ranks x {args.seqs_per_rank} sequences, budget {args.step_budget}: "
@@ -276,6 +294,10 @@ def main():
     print(json.dumps({
         "packed_vs_padded_speedup": round(pad["seconds"] / pack["seconds"], 3),
         "chunked_vs_naive_peak_mem_ratio": round(chunked["peak_mib"] / naive["peak_mib"], 4),
+        "shared_vs_unshared_speedup": round(pack["seconds"] / shared["seconds"], 3),
+        "shared_vs_unshared_processed_tokens": round(shared["processed_tokens"] / pack["processed_tokens"], 4),
+        "shared_seconds": round(shared["seconds"], 3),
+        "head_grad_norm_shared": shared["head_grad_norm"],
         "packing_efficiency": round(eff_packed, 4),
         "padded_efficiency": round(eff_padded, 4),
         "padded_seconds": round(pad["seconds"], 3), "packed_seconds": round(pack["seconds"], 3),
