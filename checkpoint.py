@@ -155,23 +155,96 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
     return step, epoch, position
 
 
-def save_hf(model, processor, out_dir):
-    """Write a Hugging Face model directory (safetensors in the checkpoint's own naming, plus the processor) that
-    from_pretrained and vLLM load as is. Every rank must call it: gathering the full weights is collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        model.save_pretrained(out_dir, state_dict=state)
+
+def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
+    """Write a Hugging Face model directory (safetensors in the checkpoint's own naming, config, generation config,
+    processor) that from_pretrained and vLLM load as is. Collective, and nothing gathers the whole model: weight by
+    weight, every rank all-gathers one full tensor and rank 0 appends it to the file, so a rank holds its own shards
+    plus one weight at a time. Files split at `max_shard_bytes` (save_pretrained's default, 50 GB) with the same
+    index file; the tensors keep the model's dtype (fp32 master weights)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if isinstance(model, FSDPModule):  # (export_checkpoint's model is a plain one)
+        reshard(model)  # the DTensor shards, never FSDP2's temporary unsharded root params
+    tensors, seen = {}, set()
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves, not copies
+        if id(t) not in seen:  # a tied weight once, under its first name (3B: embed_tokens, not lm_head)
+            seen.add(id(t))
+            tensors[name] = t
+    # the names save_pretrained writes (`model.language_model.layers.*` back to `model.layers.*`): checkpoint -> ours
+    names = revert_weight_conversion(model, {name: name for name in tensors})
+    files, size = [[]], 0
+    for key in sorted(names):
+        nbytes = tensors[names[key]].numel() * tensors[names[key]].element_size()
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(key)
+        size += nbytes
+    filenames = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))
+    ]  # fmt: skip
+
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # the weights of an earlier export here would mix with these
+            if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+                os.remove(os.path.join(out_dir, name))
+        model.config.save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
         processor.save_pretrained(out_dir)
+    for filename, keys in zip(filenames, files):
+        _write_safetensors(os.path.join(out_dir, filename), [(key, tensors[names[key]]) for key in keys], rank)
+    if rank == 0 and len(files) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {key: fn for fn, keys in zip(filenames, files) for key in keys}}  # fmt: skip
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
     dist.barrier()
+
+
+@torch.no_grad()
+def _write_safetensors(path, items, rank):
+    """Collective: write [(name, tensor)] as one safetensors file without holding more than one full tensor. Every
+    rank all-gathers each tensor in turn (full_tensor(), in the same order everywhere) and rank 0 appends its bytes.
+    The layout: the header's length (8 bytes, little-endian), the JSON header (dtype, shape and byte range of each
+    tensor, padded with spaces to a multiple of 8), then the tensors' bytes back to back."""
+    import struct
+
+    from torch.distributed.tensor import DTensor
+
+    f = open(path, "wb") if rank == 0 else None  # noqa: SIM115
+    try:
+        if rank == 0:
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for key, t in items:
+                nbytes = t.numel() * t.element_size()
+                header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                               "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)
+            f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, t in items:
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if rank == 0:
+                f.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del full
+    finally:
+        if f is not None:
+            f.close()
 
 
 def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = None) -> str:
     """Write the HF model directory of a saved checkpoint (scripts/export_hf.py), in one CPU process, whatever the
     number of ranks that wrote it. The model is built from the checkpoint's own config (actor.model_path, or
-    `model_path` if it moved) and its weights replaced by the checkpoint's; save_hf then writes the same files as at
-    the end of training (safetensors in the original naming, the processor with the run's pixel range)."""
+    `model_path` if it moved) and filled with the checkpoint's weights; save_hf then writes the same files as at the
+    end of training (safetensors in the original naming, the processor with the run's pixel range). The base
+    model's weights are never read: one copy of the model in memory, the checkpoint's."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoProcessor
 
@@ -182,7 +255,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         cfg = json.load(f)["config"]
     model_path = model_path or resolve_path(cfg["actor"]["model_path"])
-    model = load_model(model_path, torch.device("cpu"), "sdpa")
+    # the structure only, then one fp32 copy of the weights, uninitialised until the checkpoint fills it below
+    model = load_model(model_path, torch.device("cpu"), "sdpa", meta=True).to_empty(device="cpu")
     processor = AutoProcessor.from_pretrained(model_path)
     set_pixel_range(processor, cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])  # as PromptDataset did in training
 

@@ -1,8 +1,11 @@
 """The policy as a network: loading, FSDP2 wrapping, packed attention and the log-prob forward.
 
-- load_model / apply_fsdp / root_forward / reshard: a Qwen2.5-VL in fp32 master weights, sharded with FSDP2 (vision
-  tower as one unit, each decoder layer, the root), and the two FSDP2 quirks the loop has to work around.
-- load_policy_and_reference: the trainable policy and the frozen reference, ready for the loop.
+- load_sharded (load_model(meta=True) / apply_fsdp / load_weights): a Qwen2.5-VL built on the meta device, sharded
+  with FSDP2 (vision tower as one unit, each decoder layer, the root), and each rank's shards read from the
+  safetensors, so no rank ever holds the whole model; root_forward / reshard: the two FSDP2 quirks the loop has to
+  work around. load_model alone is from_pretrained, for tests and benches.
+- load_policy_and_reference: the trainable policy (fp32 master weights) and the frozen reference (compute dtype),
+  ready for the loop.
 - sdpa_packed and packed_position_ids: attention and mRoPE positions that keep a packed row's sequences apart.
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
@@ -12,6 +15,9 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 
@@ -325,7 +331,7 @@ def unsupported_model(path: str) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
     None. from_pretrained would load a Qwen3-VL checkpoint into the Qwen2.5-VL class, warn about the weights it
     leaves random, and train the result: this stops first, naming the model_type. A hub id not in the cache is
-    checked when it downloads."""
+    checked by load_model, once its config.json is downloaded."""
     import json
     import os
 
@@ -345,14 +351,31 @@ def unsupported_model(path: str) -> str | None:
     return None
 
 
-def load_model(path, device, attn_implementation, gradient_checkpointing=False):
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
+    """The Qwen2.5-VL in `path` with every weight read (from_pretrained), or with meta=True its bare structure: built
+    from the config on the meta device, no weight read, no memory taken; load_sharded then shards it and reads only
+    this rank's part of each weight."""
+    from transformers import AutoConfig, GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
     attn_implementation = resolve_attention(attn_implementation, device)
-    # fp32 master weights on every rank; FSDP2 then keeps only this rank's shard (and casts to bf16 for compute)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    config = AutoConfig.from_pretrained(path)  # (a hub model's config.json is downloaded here, if it was not cached)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:  # never load it into another class with weights left random
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        raise ValueError(f"{path}: model_type {config.model_type!r} is not supported; supported: {supported}")
+    if meta:
+        with torch.device("meta"):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation
+            )
+        try:  # the stop tokens, which from_pretrained reads too (and likewise goes on without)
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+        _keep_checkpoint_renaming(model, path)
+    else:
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        )
     use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -360,8 +383,40 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False):
     return model
 
 
+def _keep_checkpoint_renaming(model, path):
+    """transformers 5 renames a checkpoint's tensors as it loads them (Qwen2.5-VL: `model.layers.*` ->
+    `model.language_model.layers.*`, `visual.*` -> `model.visual.*`) and keeps the renamings that matched as
+    `model._weight_conversions`, from which save_pretrained writes the original names back. Do the same for a model
+    built on the meta device, while it still has its own class (fully_shard changes it, and the renamings are found
+    by class name); load_weights and checkpoint.save_hf then use them in either direction."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    if not all(isinstance(t, WeightRenaming) for t in transforms):  # e.g. fused experts: not renames, reshapes
+        raise NotImplementedError(f"{type(model).__name__}: its checkpoint needs conversions beyond renaming")
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                rename_source_key(key, transforms, [])  # marks the renamings that apply
+    model._weight_conversions = [t for t in transforms if t.was_used()]
+
+
+def _safetensors_files(path):
+    """The weight files from_pretrained reads: those model.safetensors.index.json names, or model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(path, name) for name in json.load(f)["weight_map"].values()})
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [os.path.join(path, "model.safetensors")]
+
+
 def apply_fsdp(model, device, offload=False):
-    """FSDP2: the vision tower as one unit, then each decoder layer, then the root."""
+    """FSDP2: the vision tower as one unit, then each decoder layer, then the root. A model built on the meta
+    device (load_model(meta=True)) gets only this rank's shards allocated, uninitialised: load_weights fills them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
@@ -374,9 +429,80 @@ def apply_fsdp(model, device, offload=False):
     for layer in model.model.language_model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
-    if not offload:
+    if next(model.parameters()).is_meta:
+        model.to_empty(device="cpu" if offload else device)
+    elif not offload:
         model.to(device)
     return model
+
+
+def load_weights(model, path, device):
+    """Fill a model from load_model(meta=True) + apply_fsdp with the weights in `path`'s safetensors (one file or an
+    index of several). Each rank reads only the rows of its own shards, one weight at a time, converting them to the
+    model's dtype as it copies them in: a rank never holds more than its shards plus one slice. A tensor the files
+    lack, or of another shape, is an error: never a half-random model. Not collective: no rank waits for another.
+
+    FSDP2 shards dim 0 as torch.chunk does: rank r holds rows [r * c, r * c + its length), c = ceil(rows / ranks),
+    the last ranks fewer or none. The file is opened afresh for each weight: memory-mapped pages that stay mapped
+    count in the rank's resident memory, and read-ahead would map most of a file kept open (torch.distributed
+    .checkpoint's HuggingFaceStorageReader does the same slicing with each file open throughout: here its peak was
+    0.35x the fp32 model higher)."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, Shard
+    from transformers.core_model_loading import rename_source_key
+
+    where = {}  # the model's name for each tensor -> (file, the tensor's name there)
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            where.update({rename_source_key(key, model._weight_conversions, [])[0]: (file, key) for key in f.keys()})
+    params = dict(model.named_parameters())  # tied weights once: 3B's lm_head is embed_tokens, not in its files
+    missing = [name for name in params if name not in where]
+    if missing:
+        raise ValueError(
+            f"{path}: the safetensors lack {len(missing)} of the model's tensors: {', '.join(missing[:5])}"
+        )
+    with torch.no_grad():
+        for name, p in params.items():
+            local, start = p, 0
+            if isinstance(p, DTensor):
+                assert p.placements == (Shard(0),), f"{name}: FSDP2 placement {p.placements}, expected (Shard(0),)"
+                local = p.to_local()
+                start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
+            file, key = where[name]
+            with safe_open(file, "pt") as f:
+                rows = f.get_slice(key)
+                if tuple(rows.get_shape()) != tuple(p.shape):
+                    raise ValueError(f"{file}: {key} has shape {rows.get_shape()}, the model's {name} {tuple(p.shape)}")
+                local.copy_(rows[start : start + local.shape[0]])
+    _recompute_buffers(model, device)
+    return model
+
+
+def _recompute_buffers(model, device):
+    """Buffers that are not saved (the rotary inv_freq of the text model and of the vision tower) are computed when a
+    module is built; on the meta device they were not, and to_empty left garbage. Build each module that owns one
+    again, on the CPU from its config, and take its values (on the compute device, also when parameters are
+    offloaded)."""
+    for name, module in model.named_modules():
+        buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
+        if not buffers:
+            continue
+        if not hasattr(module, "config"):
+            raise NotImplementedError(f"{name} ({type(module).__name__}): cannot recompute buffers {buffers}")
+        fresh = type(module)(module.config)
+        for b in buffers:
+            setattr(module, b, getattr(fresh, b).to(device=device, dtype=getattr(module, b).dtype))
+
+
+def load_sharded(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, offload=False,
+                 freeze_vision_tower=False):  # fmt: skip
+    """The model in `path`, sharded with FSDP2, without any rank ever holding all of it: built on the meta device,
+    wrapped by apply_fsdp (only this rank's shards allocated), then filled from the safetensors (load_weights)."""
+    model = load_model(path, device, attn_implementation, gradient_checkpointing, dtype, meta=True)
+    if freeze_vision_tower:
+        model.model.visual.requires_grad_(False)
+    apply_fsdp(model, device, offload)
+    return load_weights(model, path, device)
 
 
 def root_forward(model, pad_id):
@@ -398,16 +524,21 @@ def reshard(*models):
 
 
 def load_policy_and_reference(actor, device, with_reference, pad_id):
-    """The trainable policy and, when the KL needs one, the frozen reference (the same checkpoint), both sharded
-    and past their first root forward. `actor` is the config's actor section."""
-    model = load_model(actor.model_path, device, actor.attn_implementation, actor.gradient_checkpointing)
-    if actor.freeze_vision_tower:
-        model.model.visual.requires_grad_(False)
-    apply_fsdp(model, device)
+    """The trainable policy (fp32 master weights) and, when the KL needs one, the frozen reference (the same
+    checkpoint, in the compute dtype: bf16 on GPU, fp32 on CPU; it is never updated, so it needs no fp32 copy), both
+    sharded and past their first root forward. `actor` is the config's actor section. Each rank holds its shards of
+    the two models and, while loading, one slice of a weight at a time (load_sharded)."""
+    model = load_sharded(
+        actor.model_path, device, actor.attn_implementation, actor.gradient_checkpointing,
+        freeze_vision_tower=actor.freeze_vision_tower,
+    )  # fmt: skip
     root_forward(model, pad_id)
     ref_model = None
     if with_reference:
-        ref_model = load_model(actor.model_path, device, actor.attn_implementation).requires_grad_(False).eval()
-        apply_fsdp(ref_model, device, offload=actor.ref_offload)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        ref_model = load_sharded(
+            actor.model_path, device, actor.attn_implementation, dtype=dtype, offload=actor.ref_offload
+        )
+        ref_model.requires_grad_(False).eval()
         root_forward(ref_model, pad_id)
     return model, ref_model

@@ -1,0 +1,121 @@
+"""Load checkpoints with models.load_sharded under torchrun and compare with from_pretrained; rank 0 writes the facts.
+
+Used by test_loading.py, on 1 and 2 ranks:
+
+    torchrun --nproc_per_node=W tests/load_check.py TINY_DIR BF16_SHARDED_DIR TIED_DIR OUT_DIR
+
+For each checkpoint (the tiny fp32 one; the same weights in bf16 split over several files with an index; one with
+tied embeddings): every parameter (gathered with full_tensor) and every buffer of the sharded model against
+from_pretrained's, loaded in fp32 (the policy) and in bf16 (the reference's compute dtype on GPU). Then the packed
+log-probs of the sharded policy against the old way (from_pretrained + apply_fsdp), load_policy_and_reference's
+dtypes, and save_hf of each sharded model (one file, and split into several) read back.
+"""
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+
+import checkpoint  # noqa: E402
+import models  # noqa: E402
+import rollout  # noqa: E402
+
+
+def mismatches(model, reference):
+    """Names of parameters and buffers of `model` (sharded) that differ from `reference` (from_pretrained), or whose
+    dtype differs."""
+    want = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    bad = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if full.dtype != want[name].dtype or not torch.equal(full, want[name]):
+            bad.append(name)
+    return bad + [name for name in want if name not in dict(model.named_parameters()) | dict(model.named_buffers())]
+
+
+def packed_batch(processor):
+    """One prompt with an image and one without, responses of uneven lengths, packed into one row."""
+    prompts = []
+    for i in range(2):
+        img = Image.new("RGB", (84, 56), "white")
+        ImageDraw.Draw(img).line((0, 0, 40, 50), fill="black", width=3)
+        content = [{"type": "text", "text": "Find x. " * (i + 1)}]
+        if i == 0:
+            content.insert(0, {"type": "image"})
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        out = processor(text=[text], images=None if i else [img], return_tensors="pt")
+        prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), []))
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 4)]
+    inputs, response_ids, _ = rollout.pack(
+        prompts, responses, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    )
+    return inputs, response_ids
+
+
+def read_export(out_dir):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(out_dir, dtype=torch.float32)
+
+
+def main():
+    from safetensors import safe_open
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    tiny, bf16_sharded, tied, out_dir = sys.argv[1:5]
+    dist.init_process_group("gloo")
+    rank, cpu = dist.get_rank(), torch.device("cpu")
+    facts = {}
+    for label, path in (("tiny", tiny), ("bf16_sharded", bf16_sharded), ("tied", tied)):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = models.load_sharded(path, cpu, "sdpa", dtype=dtype)
+            reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
+            facts[f"{label}/{str(dtype)[6:]}/mismatches"] = mismatches(model, reference)
+        # save_hf of the fp32 model: the checkpoint's own names, read back equal to the checkpoint (upcast)
+        model = models.load_sharded(path, cpu, "sdpa")
+        facts[f"{label}/tied"] = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+        processor = AutoProcessor.from_pretrained(tiny)
+        for split, max_bytes in (("one", 50 * 10**9), ("split", 100_000)):
+            export = os.path.join(out_dir, f"{label}_{split}_{dist.get_world_size()}")
+            checkpoint.save_hf(model, processor, export, max_shard_bytes=max_bytes)
+            if rank == 0:
+                names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
+                facts[f"{label}/export_{split}/same_names"] = names(export) == names(path)
+                facts[f"{label}/export_{split}/files"] = len(models._safetensors_files(export))
+                facts[f"{label}/export_{split}/mismatches"] = mismatches(read_export(export), read_export(path))
+
+    # the packed log-probs of a model loaded the new way equal those of one loaded the old way
+    processor = AutoProcessor.from_pretrained(tiny)
+    inputs, response_ids = packed_batch(processor)
+    old = models.apply_fsdp(models.load_model(tiny, cpu, "sdpa"), cpu)
+    new = models.load_sharded(tiny, cpu, "sdpa")
+    with torch.no_grad():
+        logp_old, _ = models.forward_logprobs(old, dict(inputs), response_ids, 0.9)
+        logp_new, _ = models.forward_logprobs(new, dict(inputs), response_ids, 0.9)
+    facts["packed_logp_max_abs_diff"] = (logp_new - logp_old).abs().max().item()
+    facts["packed_logp_nonzero"] = int((logp_new != 0).sum())
+
+    actor = SimpleNamespace(model_path=tiny, attn_implementation="auto", gradient_checkpointing=True,
+                            freeze_vision_tower=True, ref_offload=False)  # fmt: skip
+    policy, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
+    facts["policy_dtypes"] = sorted({str(p.dtype) for p in policy.parameters()})
+    facts["policy_trainable"] = {part: sorted({p.requires_grad for n, p in policy.named_parameters() if part in n})
+                                 for part in ("visual", "language_model", "lm_head")}  # fmt: skip
+    facts["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
+    facts["ref_trainable"] = [n for n, p in ref.named_parameters() if p.requires_grad]
+    if rank == 0:
+        with open(os.path.join(out_dir, "facts.json"), "w") as f:
+            json.dump(facts, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
