@@ -252,6 +252,7 @@ def main():
         action="store_false",
         help="simulate actor.balance_ranks=false (no sequences move between ranks)",
     )
+    p.add_argument("--variants", default="padded,packed,shared,naive,chunked", help="which to run (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variant", choices=["naive", "chunked", "padded", "packed", "shared"], help=argparse.SUPPRESS)
@@ -264,48 +265,49 @@ def main():
           f"{os.cpu_count()} CPUs")  # fmt: skip
     results = {}
     for variant in ("padded", "packed", "shared", "naive", "chunked"):
+        if variant not in args.variants:
+            continue
         cmd = [sys.executable, __file__, "--variant", variant, *sys.argv[1:]]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"  {variant:<8} {results[variant]['seconds']:8.2f} s  peak {results[variant]['peak_mib']:8.0f} MiB")
-    pad, pack, shared, naive, chunked = (results[k] for k in ("padded", "packed", "shared", "naive", "chunked"))
+    r, out = results, {"device": device, "hidden": args.hidden, "layers": args.layers}
+    if "padded" in r or "packed" in r or "shared" in r:
+        any_batch = next(r[k] for k in ("padded", "packed", "shared") if k in r)
+        print(f"\nstep time, one rank's batch ({any_batch['real_tokens']} tokens, {args.prompts} prompts x {args.n}):")
+    rows = {"padded": f"micro-batches of {args.micro_batch_size}", "packed": f"micro-batches <= {args.budget} tokens",
+            "shared": f"micro-batches <= {args.budget} tokens, each prompt once per micro-batch part"}  # fmt: skip
+    for k, what in rows.items():
+        if k in r:
+            print(f"  {k:<7} {r[k]['micro_batches']:3d} {what}: {r[k]['seconds']:7.2f} s, "
+                  f"{r[k]['processed_tokens']} processed tokens")  # fmt: skip
+            out.update({f"{k}_seconds": round(r[k]["seconds"], 3), f"head_grad_norm_{k}": r[k]["head_grad_norm"]})
+    if "padded" in r and "packed" in r:
+        out["packed_vs_padded_speedup"] = round(r["padded"]["seconds"] / r["packed"]["seconds"], 3)
+        out["timed_batch_padded_efficiency"] = round(r["padded"]["real_tokens"] / r["padded"]["processed_tokens"], 4)
+    if "packed" in r and "shared" in r:
+        out["shared_vs_unshared_speedup"] = round(r["packed"]["seconds"] / r["shared"]["seconds"], 3)
+        processed = r["shared"]["processed_tokens"] / r["packed"]["processed_tokens"]
+        out["shared_vs_unshared_processed_tokens"] = round(processed, 4)
+    if "naive" in r and "chunked" in r:
+        print(f"peak memory of one padded micro-batch's log-prob step ({r['naive']['padded_tokens']} tokens):")
+        print(f"  naive {r['naive']['peak_mib']:.0f} MiB, chunked {r['chunked']['peak_mib']:.0f} MiB")
+        out["chunked_vs_naive_peak_mem_ratio"] = round(r["chunked"]["peak_mib"] / r["naive"]["peak_mib"], 4)
+        out.update(naive_peak_mib=round(r["naive"]["peak_mib"], 1), chunked_peak_mib=round(r["chunked"]["peak_mib"], 1))
 
     # the lockstep efficiency of a geo3k-sized step: seqs_per_rank sequences on each of `ranks` ranks
     n_prompts = -(-args.seqs_per_rank // args.n)
     ranks = [sample_lengths(n_prompts, args.n, args.seed + 1 + r)[: args.seqs_per_rank] for r in range(args.ranks)]
     step_args = argparse.Namespace(budget=args.step_budget, micro_batch_size=args.micro_batch_size,
                                    balance_ranks=args.balance_ranks)  # fmt: skip
-    eff_packed = lockstep_efficiency(ranks, "packed", step_args)
-    eff_padded = lockstep_efficiency(ranks, "padded", step_args)
-
-    print(f"\nstep time, one rank's batch ({pad['real_tokens']} tokens, {args.prompts} prompts x {args.n}):")
-    print(f"  padded  {pad['micro_batches']:3d} micro-batches of {args.micro_batch_size}: {pad['seconds']:7.2f} s, "
-          f"{pad['processed_tokens']} processed tokens")  # fmt: skip
-    print(f"  packed  {pack['micro_batches']:3d} micro-batches <= {args.budget} tokens: {pack['seconds']:7.2f} s, "
-          f"{pack['processed_tokens']} processed tokens")  # fmt: skip
-    print(f"  shared  {shared['micro_batches']:3d} micro-batches <= {args.budget} tokens: {shared['seconds']:7.2f} s, "
-          f"{shared['processed_tokens']} processed tokens (each prompt once per micro-batch part)")  # fmt: skip
-    print(f"peak memory of one padded micro-batch's log-prob step ({naive['padded_tokens']} tokens):")
-    print(f"  naive {naive['peak_mib']:.0f} MiB, chunked {chunked['peak_mib']:.0f} MiB")
+    out["packing_efficiency"] = round(lockstep_efficiency(ranks, "packed", step_args), 4)
+    out["padded_efficiency"] = round(lockstep_efficiency(ranks, "padded", step_args), 4)
     print(f"lockstep efficiency, {args.ranks} ranks x {args.seqs_per_rank} sequences, budget {args.step_budget}: "
-          f"packed {eff_packed:.3f}, padded (micro-batch {args.micro_batch_size}) {eff_padded:.3f}")  # fmt: skip
-    print(json.dumps({
-        "packed_vs_padded_speedup": round(pad["seconds"] / pack["seconds"], 3),
-        "chunked_vs_naive_peak_mem_ratio": round(chunked["peak_mib"] / naive["peak_mib"], 4),
-        "shared_vs_unshared_speedup": round(pack["seconds"] / shared["seconds"], 3),
-        "shared_vs_unshared_processed_tokens": round(shared["processed_tokens"] / pack["processed_tokens"], 4),
-        "shared_seconds": round(shared["seconds"], 3),
-        "head_grad_norm_shared": shared["head_grad_norm"],
-        "packing_efficiency": round(eff_packed, 4),
-        "padded_efficiency": round(eff_padded, 4),
-        "padded_seconds": round(pad["seconds"], 3), "packed_seconds": round(pack["seconds"], 3),
-        "timed_batch_padded_efficiency": round(pad["real_tokens"] / pad["processed_tokens"], 4),
-        "naive_peak_mib": round(naive["peak_mib"], 1), "chunked_peak_mib": round(chunked["peak_mib"], 1),
-        "head_grad_norm_padded": pad["head_grad_norm"], "head_grad_norm_packed": pack["head_grad_norm"],
-        "device": device, "hidden": args.hidden, "layers": args.layers,
-    }))  # fmt: skip
+          f"packed {out['packing_efficiency']:.3f}, padded (micro-batch {args.micro_batch_size}) "
+          f"{out['padded_efficiency']:.3f}")  # fmt: skip
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

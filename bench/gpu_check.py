@@ -11,11 +11,12 @@ and how fast is it?
    update with KL, weight sync) with FSDP2 in bf16, packed token-budget micro-batches through native varlen
    attention, chunked LM-head log-probs and gradient checkpointing. The toy digit reward: a random model never
    writes \\boxed{}, and the check is about the machinery, not learning.
-3. Compares log-probs of one packed micro-batch with the same batch padded (sdpa), both in bf16.
+3. Compares log-probs of one packed micro-batch, plain and with shared prefixes, with the same batch padded
+   (sdpa), all in bf16.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
 of a step / step seconds, the definition of REFERENCE.md §1), model FLOPs utilisation of the training phases, peak
-GPU memory, and the packed-vs-padded agreement. Needs torch >= 2.11, transformers 5.17-5.19, safetensors, pillow,
+GPU memory, and the packed-vs-padded agreements. Needs torch >= 2.11, transformers 5.17-5.19, safetensors, pillow,
 pyyaml, jinja2, pyarrow, mathruler and math-verify (reward.py imports them); vLLM is optional.
 """
 
@@ -117,33 +118,41 @@ def run_trainer(model_dir, data_dir, out_dir, args):
         return [json.loads(line) for line in f]
 
 
-def packed_vs_padded(model_dir, data_dir, response_tokens):
-    """Max and mean |log p packed - log p padded| of 4 sampled-length answers to 4 image prompts, bf16 on the GPU."""
+def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
+    """Max and mean |log p packed - log p padded| of answers to image prompts, bf16 on the GPU: plain packing, and the
+    shared-prefix layout (two answers per prompt, the prompt once; it relies on the kernel's bottom-right causal
+    alignment, which this checks: the wrong alignment would hide most of the prompt from the answers)."""
     import torch.distributed as dist
     from transformers import AutoProcessor
 
     from data import PromptDataset
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    backend, device_id = ("nccl", device) if device.type == "cuda" else ("gloo", None)  # CPU: its test
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     try:
         processor = AutoProcessor.from_pretrained(model_dir)
         dataset = PromptDataset(f"{data_dir}/train.parquet", processor, min_pixels=262144, max_pixels=4194304,
                                 format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
-        prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(4)]
+        two = [rollout.encode_prompt(processor, dataset[i]) for i in range(2)]
+        prompts = [two[0], two[0], two[1], two[1]]  # each prompt twice, the same object: a group of two answers
         model = models.load_model(model_dir, device, "auto")
         models.apply_fsdp(model, device)
         pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
         models.root_forward(model, pad_id)
         g = torch.Generator().manual_seed(0)
-        responses = [torch.randint(0, REAL_TOKENS, (n,), generator=g).tolist() for n in (response_tokens, 37, 300, 5)]
+        # ordinary text tokens (the low ids of the BPE), never a vision special token
+        responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (response_tokens, 37, 300, 5)]
+        diffs = {"attention": model.config._attn_implementation}
         with torch.no_grad():
             padded, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
-            packed = rollout.pack(prompts, responses, image_token_id)[0]
             want = models.forward_logprobs(model, padded, response_ids, 1.0)[0]
-            got = models.forward_logprobs(model, packed, response_ids, 1.0)[0]
-        diff = (got - want).abs()[mask.to(device).bool()]
-        return {"max": diff.max().item(), "mean": diff.mean().item(), "attention": model.config._attn_implementation}
+            for name, shared in (("packed", False), ("shared_prefix", True)):
+                packed = rollout.pack(prompts, responses, image_token_id, share_prompts=shared)[0]
+                got = models.forward_logprobs(model, packed, response_ids, 1.0)[0]
+                diff = (got - want).abs()[mask.to(device).bool()]
+                diffs[name] = {"max": diff.max().item(), "mean": diff.mean().item()}
+        return diffs
     finally:
         dist.destroy_process_group()
 
@@ -216,8 +225,9 @@ def main():
         f"  tokens/s per GPU {result['tokens_per_s_per_gpu']:.0f} | step {med['time/step']:.1f}s (rollout "
         f"{med['time/rollout']:.1f}s, ref log-probs {med['time/logprobs']:.1f}s, update {med['time/train']:.1f}s)\n"
         f"  MFU of the training phases {mfu} | peak GPU memory (torch allocator) {peak_gib:.1f} GiB\n"
-        f"  packed vs padded log-probs ({agreement['attention']}, bf16): max |diff| {agreement['max']:.3f}, "
-        f"mean {agreement['mean']:.4f}"
+        f"  log-probs vs padded ({agreement['attention']}, bf16): packed max |diff| "
+        f"{agreement['packed']['max']:.3f} (mean {agreement['packed']['mean']:.4f}), shared prefix max |diff| "
+        f"{agreement['shared_prefix']['max']:.3f} (mean {agreement['shared_prefix']['mean']:.4f})"
     )
 
 

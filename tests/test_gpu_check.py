@@ -44,3 +44,16 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
         check_config(cfg, world_size=1)
         assert cfg.rollout.tensor_parallel_size == 1 and cfg.trainer.max_steps == args.steps
         assert cfg.actor.max_tokens_per_micro_batch > 0 and cfg.actor.padding_free  # the packed path is what runs
+
+
+def test_gpu_check_logprob_agreement_runs_on_cpu(tiny_model_dir, tmp_path):
+    """Guards against the agreement check itself being broken (it only runs at the end of a GPU session): on CPU in
+    fp32 both the packed and the shared-prefix layouts must equal the padded one."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    gpu_check = load_gpu_check()
+    make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)
+    diffs = gpu_check.packed_vs_padded(tiny_model_dir, str(tmp_path), 24, device=torch.device("cpu"))
+    assert diffs["attention"] == "sdpa_packed"
+    for name in ("packed", "shared_prefix"):
+        assert diffs[name]["max"] < 1e-4, (name, diffs[name])

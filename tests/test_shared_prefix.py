@@ -71,10 +71,14 @@ def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attention
 
 def test_shared_prefix_attention_mask():
     """Guards against the layout itself: a prompt attends causally to itself, an answer to all of its prompt and
-    causally to itself, never to a sibling; plain segments are block-diagonal causal."""
+    causally to itself, never to a sibling; no block reaches into another (a plain sequence is a causal block)."""
     # part 1: prompt 0-2, answers 3-4 and 5; part 2: one sequence 6-8
     layout = models.PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 6, 0, 3), (6, 9, 0, 0)], 9, torch.device("cpu"))
-    mask = layout.block_mask()[0, 0].int()
+    blocks = layout.blocks()
+    assert [(s, e) for s, e, _ in blocks] == [(0, 6), (6, 9)] and blocks[1][2] is None  # a plain sequence: causal
+    mask = torch.zeros(9, 9, dtype=torch.int)
+    mask[0:6, 0:6] = blocks[0][2][0, 0].int()
+    mask[6:9, 6:9] = torch.ones(3, 3).tril()
     want = torch.zeros(9, 9, dtype=torch.int)
     want[0:3, 0:3] = torch.ones(3, 3).tril()
     want[3, 0:4] = 1
