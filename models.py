@@ -94,16 +94,16 @@ def _has_varlen() -> bool:
 class PackedLayout:
     """Where the segments of a packed row lie and what each may attend to: causally to itself, and, for an answer of
     a shared-prefix group, also to the whole of its group's prompt (`prefix`). forward_logprobs builds one per
-    micro-batch and hands it to every decoder layer's attention, which takes the form it needs: blocks with small
-    masks on CPU, the varlen kernel's arguments on CUDA. Both are built once and reused by every layer and by the
-    recompute of gradient checkpointing, so no layer re-derives bounds with host syncs.
+    micro-batch and hands it to every decoder layer's attention, which takes the form it needs: a segment at a time
+    with small masks on CPU, the varlen kernel's arguments on CUDA. Both are built once and reused by every layer and
+    by the recompute of gradient checkpointing, so no layer re-derives bounds with host syncs.
 
     segments: [(start, end, prefix_start, prefix_end)] in row order, covering the row; prefix_end == prefix_start
     when a segment has no prefix."""
 
     def __init__(self, segments, length, device):
         self.segments, self.length, self.device = segments, length, device
-        self._blocks = self._varlen = None
+        self._masks = self._varlen = None
 
     @classmethod
     def sequences(cls, seq_lens, device):
@@ -111,28 +111,16 @@ class PackedLayout:
         bounds = [0, *torch.as_tensor(seq_lens).cumsum(0).tolist()]
         return cls([(s, e, 0, 0) for s, e in zip(bounds[:-1], bounds[1:])], bounds[-1], device)
 
-    def blocks(self):
-        """[(start, end, mask or None)]: the row cut where no attention crosses, for attention a block at a time. A
-        plain sequence is its own block (mask None: causal); a shared-prefix group -- its prompt and the answers
-        right after it -- is one block with its own (1, 1, n, n) bool mask, True where a query may attend."""
-        if self._blocks is None:
-            self._blocks = []
+    def prefix_masks(self):
+        """Per segment, None (no prefix: plain causal attention) or the (1, 1, n, prefix + n) bool mask of its
+        queries over [its prefix | itself]: the whole prefix, then causal -- the bottom-right-aligned causal mask."""
+        if self._masks is None:
+            self._masks = []
             for s, e, ps, pe in self.segments:
-                if pe > ps:  # an answer: it joins the block of its prompt, which precedes it
-                    self._blocks[-1][1] = e
-                    self._blocks[-1][2].append((s, e, ps, pe))
-                else:
-                    self._blocks.append([s, e, [(s, e, ps, pe)]])
-            self._blocks = [(s, e, self._mask(s, e, segs) if len(segs) > 1 else None) for s, e, segs in self._blocks]
-        return self._blocks
-
-    def _mask(self, start, end, segments):
-        n = end - start
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for s, e, ps, pe in segments:
-            mask[s - start : e - start, s - start : e - start] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-            mask[s - start : e - start, ps - start : pe - start] = True
-        return mask.to(self.device)[None, None]
+                n, p = e - s, pe - ps
+                mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p) if p else None
+                self._masks.append(None if mask is None else mask.to(self.device)[None, None])
+        return self._masks
 
     def varlen_args(self):
         """(key_index or None, cu_q, cu_k, max_q, max_k) for the varlen kernel. Queries are the row as it is, one
@@ -170,20 +158,23 @@ def packed_layout(module, attention_mask, query, key, position_ids, kwargs):
 
 
 def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """PyTorch sdpa that keeps a packed row's segments apart: the CPU stand-in for the varlen kernel. One sdpa call
-    per block of the row (PackedLayout.blocks: a sequence, causal; a shared-prefix group, with its own mask). One
-    call with a mask over the whole row would cost L^2 instead of the sum of the blocks' squares: 3-5x slower at
-    the CPU demo's sizes (1,024-token rows of 3-8 blocks), Python's loop over the blocks included. Every other
-    call (padded batches, generate, the vision tower) is plain transformers sdpa."""
+    """PyTorch sdpa that keeps a packed row's segments apart: the CPU stand-in for the varlen kernel, a segment at a
+    time. A plain sequence or a prompt attends causally to itself; an answer of a shared-prefix group attends to
+    [its prompt | itself] through its PackedLayout.prefix_masks mask, the keys the varlen kernel gets on CUDA. One
+    call with a mask over the whole row would cost L^2 instead of the sum over segments: 3-5x slower at the CPU
+    demo's sizes, Python's loop included. Every other call (padded batches, generate, the vision tower) is plain
+    transformers sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = packed_layout(module, attention_mask, query, key, position_ids, kwargs)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = [
-        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], mask, **kwargs)[0]
-        for s, e, mask in layout.blocks()
-    ]  # each (1, n, heads, D)
+    outs = []
+    for (s, e, ps, pe), mask in zip(layout.segments, layout.prefix_masks()):
+        k, v = key[:, :, s:e], value[:, :, s:e]
+        if mask is not None:
+            k, v = torch.cat([key[:, :, ps:pe], k], dim=2), torch.cat([value[:, :, ps:pe], v], dim=2)
+        outs.append(sdpa_attention_forward(module, query[:, :, s:e], k, v, mask, **kwargs)[0])  # (1, n, heads, D)
     return torch.cat(outs, dim=1), None
 
 

@@ -14,7 +14,8 @@
    fullest rank's): token-budget packing against padded micro-batches, from the same sampled lengths.
 
 The model is a random Qwen2.5-VL built from config classes (no download) with the REAL vocabulary, 151,936, and a
-small body, so on CPU the LM head dominates as the logits dominate memory on the real model. Lengths are drawn to
+small body, so on CPU the LM head dominates as the logits dominate memory on the real model (--vocab and --hidden
+/ --layers set other proportions). Lengths are drawn to
 look like a Geometry3K step: prompts of 330-620 tokens (a diagram resized to at least 262,144 pixels is 334 image
 tokens, plus ~100 text tokens), n = 5 responses per prompt with a log-normal spread (median 300, a tail cut at
 2,048). Image tokens are stood in for by text tokens: the vision tower costs the same in both layouts.
@@ -23,6 +24,9 @@ Each timed variant runs in a fresh subprocess (peak memory is the process's peak
 just before the step, minus the resident set then; torch.cuda.max_memory_allocated with --gpu).
 
     .venv/bin/python bench/bench_train.py            # CPU, a few minutes on 2 cores
+    # shared vs unshared with the 7B's body-to-LM-head ratio (about 12:1 in parameters): a real-vocabulary head
+    # would dominate a body small enough for a CPU, and that head costs the same in both layouts
+    .venv/bin/python bench/bench_train.py --variants packed,shared --hidden 512 --layers 8 --vocab 4096
     python bench/bench_train.py --gpu --hidden 3584 --layers 4 --prompts 8   # CUDA: bf16, torch's varlen kernel
 
 The last line of output is one JSON object with the results.
@@ -46,8 +50,13 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 
-VOCAB = 151936  # Qwen2.5-VL's real vocabulary (embedding rows)
+VOCAB = 151936  # Qwen2.5-VL's real vocabulary (embedding rows); --vocab changes it for the whole run
 IMAGE_TOKEN = VOCAB - 1
+
+
+def use_vocab(n):
+    global VOCAB, IMAGE_TOKEN
+    VOCAB, IMAGE_TOKEN = n, n - 1
 
 
 def sample_lengths(prompts, n, seed, max_response=2048):
@@ -181,6 +190,7 @@ class Peak:
 
 def run_variant(args):
     """One variant in this (fresh) process; prints one JSON line."""
+    use_vocab(args.vocab)
     device = torch.device("cuda" if args.gpu else "cpu")
     packed, shared = args.variant in ("packed", "shared"), args.variant == "shared"
     # as the trainer runs them: on CUDA varlen_packed (packed rows through the varlen kernel, padded ones through sdpa)
@@ -237,6 +247,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gpu", action="store_true", help="run on CUDA (bf16, varlen_packed attention)")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=VOCAB, help="embedding rows (the real 151,936 by default)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--prompts", type=int, default=2, help="prompts in the timed batch (x n sequences)")
     p.add_argument("--n", type=int, default=5, help="responses per prompt")
@@ -260,6 +271,7 @@ def main():
     if args.variant:
         return run_variant(args)
 
+    use_vocab(args.vocab)
     device = "cuda" if args.gpu else "cpu"
     print(f"vocab {VOCAB} | hidden {args.hidden} x {args.layers} layers | {device} | torch {torch.__version__} | "
           f"{os.cpu_count()} CPUs")  # fmt: skip
@@ -273,7 +285,7 @@ def main():
             sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
         results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"  {variant:<8} {results[variant]['seconds']:8.2f} s  peak {results[variant]['peak_mib']:8.0f} MiB")
-    r, out = results, {"device": device, "hidden": args.hidden, "layers": args.layers}
+    r, out = results, {"device": device, "hidden": args.hidden, "layers": args.layers, "vocab": VOCAB}
     if "padded" in r or "packed" in r or "shared" in r:
         any_batch = next(r[k] for k in ("padded", "packed", "shared") if k in r)
         print(f"\nstep time, one rank's batch ({any_batch['real_tokens']} tokens, {args.prompts} prompts x {args.n}):")

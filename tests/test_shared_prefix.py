@@ -71,21 +71,16 @@ def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attention
 
 def test_shared_prefix_attention_mask():
     """Guards against the layout itself: a prompt attends causally to itself, an answer to all of its prompt and
-    causally to itself, never to a sibling; no block reaches into another (a plain sequence is a causal block)."""
+    causally to itself, never to a sibling; plain sequences are causal over themselves alone."""
     # part 1: prompt 0-2, answers 3-4 and 5; part 2: one sequence 6-8
     layout = models.PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 6, 0, 3), (6, 9, 0, 0)], 9, torch.device("cpu"))
-    blocks = layout.blocks()
-    assert [(s, e) for s, e, _ in blocks] == [(0, 6), (6, 9)] and blocks[1][2] is None  # a plain sequence: causal
+    masks = layout.prefix_masks()
+    assert masks[0] is None and masks[3] is None  # a prompt and a plain sequence: causal over themselves
     mask = torch.zeros(9, 9, dtype=torch.int)
-    mask[0:6, 0:6] = blocks[0][2][0, 0].int()
-    mask[6:9, 6:9] = torch.ones(3, 3).tril()
-    want = torch.zeros(9, 9, dtype=torch.int)
-    want[0:3, 0:3] = torch.ones(3, 3).tril()
-    want[3, 0:4] = 1
-    want[4, 0:5] = 1
-    want[5, [0, 1, 2, 5]] = 1
-    want[6:9, 6:9] = torch.ones(3, 3).tril()
-    assert torch.equal(mask, want)
+    for s, e in ((0, 3), (6, 9)):
+        mask[s:e, s:e] = torch.ones(e - s, e - s).tril()
+    for (s, e, ps, pe), m in zip(layout.segments[1:3], masks[1:3]):  # answers: columns [prompt | themselves]
+        mask[s:e, [*range(ps, pe), *range(s, e)]] = m[0, 0].int()
     key_index, cu_q, cu_k, max_q, max_k = layout.varlen_args()
     assert key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8]
     assert cu_q.tolist() == [0, 3, 5, 6, 9] and cu_k.tolist() == [0, 3, 8, 12, 15] and (max_q, max_k) == (3, 5)
