@@ -43,7 +43,7 @@ def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_mo
     launch times out). With rebalancing (the default) sequences move from rank 1 to rank 0, and the update must
     still be the same: a sequence lost, doubled, or moved without its advantage or reference log-probs changes it."""
     full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
-    budget = ["actor.max_tokens_per_micro_batch=160"]
+    budget = ["actor.max_tokens_per_micro_batch=160", "actor.shared_prefix=false"]
     fixed = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *budget, "actor.balance_ranks=false")
     assert fixed["micro_batches"] == [4.0, 4.0] and fixed["stats"]["actor/moved_sequences"] == 0
     _assert_same_weights(full, fixed)
@@ -51,6 +51,20 @@ def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_mo
     assert balanced["stats"]["actor/moved_sequences"] >= 1
     assert balanced["micro_batches"][0] == balanced["micro_batches"][1]
     _assert_same_weights(full, balanced)
+
+
+def test_shared_prefix_keeps_the_update_over_ranks(tiny_model_dir, tmp_path):
+    """Guards against the shared-prefix layout (the default) changing the update: a group's prompt once per
+    micro-batch part, groups split over micro-batches by the budget, answers moved to the other rank without
+    their siblings -- the weights must equal one rank's padded step, in fewer micro-batches than unshared."""
+    full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
+    budget = "actor.max_tokens_per_micro_batch=160"
+    unshared = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", budget, "actor.shared_prefix=false")
+    for balance in ("false", "true"):
+        shared = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", budget, f"actor.balance_ranks={balance}")
+        assert shared["micro_batches"][0] == shared["micro_batches"][1]
+        assert sum(shared["micro_batches"]) < sum(unshared["micro_batches"])
+        _assert_same_weights(full, shared)
 
 
 def test_surplus_micro_batch_adds_nothing(tiny_model_dir, tmp_path, monkeypatch):
