@@ -11,8 +11,12 @@ for one rank. Its workers start (and import sympy) before the clock starts, as i
 across steps. "unguarded" is what reward.py graded before the guards: plain numbers by value, every other answer
 straight to mathruler and math_verify.
 
-    .venv/bin/python bench/bench_reward.py                      # guarded and unguarded, ~3 min on 2 cores
-    .venv/bin/python bench/bench_reward.py --variants guarded   # ~10 s
+Wall seconds are the figure that matters, and the one other jobs on a shared machine distort: the CPU seconds of
+the workers and this process, and the load average before and after, say how much. On a busy machine the unguarded
+variant also times out more, as an answer that needs 6 s of CPU gets less than 10 s of it.
+
+    .venv/bin/python bench/bench_reward.py                      # guarded and unguarded, ~4 min on 2 cores
+    .venv/bin/python bench/bench_reward.py --variants guarded   # ~15 s
 
 The last line of output is one JSON object with the results. tests/test_reward_guards.py reuses the generators.
 """
@@ -271,6 +275,7 @@ def grade_step(spec: str, responses: list[str], truths: list[str], timeout: floa
         "start_seconds": round(start_s, 2),
         "timeouts": scorer.n_timeouts,
         "errors": scorer.n_errors,
+        "load_after": round(os.getloadavg()[0], 2),  # 1-minute load average: how busy the machine was meanwhile
         "accuracy": [r["accuracy"] for r in results],
     }
 
@@ -289,14 +294,18 @@ def main():
     responses, truths, styles = make_step(args.prompts, args.n, args.hostile, args.seed)
     hostile = [i for i, s in enumerate(styles) if s]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"{len(responses)} responses, {len(hostile)} degenerate; {cores} cores, {args.workers} grading workers")
     out = {"responses": len(responses), "hostile": len(hostile), "cores": cores, "workers": args.workers}
+    out["load_before"] = round(os.getloadavg()[0], 2)
+    print(
+        f"{len(responses)} responses, {len(hostile)} degenerate; {cores} cores, {args.workers} grading workers; "
+        f"load average {out['load_before']}"
+    )
     for name in args.variants.split(","):
         r = grade_step(VARIANTS[name], responses, truths, args.timeout, args.workers)
         print(
             f"{name:>10}: {r['seconds']:7.2f} s for the step, {r['cpu_seconds']:7.2f} CPU s "
             f"({r['start_seconds']:.1f} s to start the workers before), {r['timeouts']} timeouts, "
-            f"{r['errors']} errors, accuracy {sum(r['accuracy']) / len(responses):.3f}"
+            f"{r['errors']} errors, accuracy {sum(r['accuracy']) / len(responses):.3f}, load after {r['load_after']}"
         )
         out[name] = r
     if "guarded" in out and "unguarded" in out:
