@@ -1,16 +1,19 @@
 """
 Rewards for GRPO on Geometry3K, and a scorer that runs any reward function with a hard time bound.
 
-- compute_score: the geo3k recipe, overall = 0.9 * accuracy + 0.1 * format.
+- compute_score: the geo3k recipe, overall = 0.9 * accuracy + 0.1 * format; degenerate answers are settled by
+  cheap guards (settle_cheaply) before any symbolic grading.
 - digit_fraction: the toy reward of the CPU demo.
 - load_reward_fn: loads a user reward from a "path/to/file.py:function" spec.
-- RewardScorer: grades batches in persistent worker processes and kills any that hang.
+- RewardScorer: grades batches in persistent worker processes and kills any that hang;
+  default_num_workers: how many per rank.
 """
 
 import atexit
 import importlib.util
 import logging
 import multiprocessing as mp
+import os
 import re
 import signal
 import sys
@@ -72,7 +75,118 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def is_equivalent(given: str, ground_truth: str) -> bool:
+# Limits of settle_cheaply. RL policies sometimes box degenerate output: "(((((...", power towers "9^9^9^...",
+# "10^{10^{10^{10}}}", 20,000-character boxes. The graders spend seconds on those or hang until RewardScorer's
+# timeout (math_verify's LaTeX parser alone takes up to half a second on "((((1))))"). Each limit lies far outside the
+# legitimate forms of a Geometry3K answer (plain numbers, fractions, radicals, degrees, units, "x = ...",
+# "\angle A = ...") and is relative to the ground truth, so a truth that is itself long, deep or a large power still
+# goes to the graders. tests/test_reward_guards.py checks that no label changes on generated legitimate answers.
+ANSWER_CHARS_BASE = 100  # a truth like "2 \sqrt { 221 }", however dressed up ("m \angle ABC = ", "^{\circ}",
+ANSWER_CHARS_PER_TRUTH_CHAR = 4  # "\text{ cm}^{2}"), stays under 50 characters + 2x its length: a 2x margin
+EXTRA_NESTING = 4  # a legitimate form nests at most 3 levels deeper than its truth: \frac{12}{\sin(30^{\circ})}
+MAX_EXPONENT = 1000  # geometry needs powers of 2 or 3; sympy is instant at 1000 (a second at 2^{100000000})
+MAX_FACTORIAL = 1000  # no geometry answer has a factorial; 1000! is instant (1000000! takes ~6 s)
+
+
+def nesting_depth(text: str) -> int:
+    """Deepest nesting of ( [ { brackets, of any kind; an unclosed bracket counts as open to the end."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in ")]}" and depth > 0:
+            depth -= 1
+    return deepest
+
+
+def _group_end(text: str, i: int) -> int:
+    """Index just past the bracket group that opens at text[i], or len(text) if it never closes."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] in "([{":
+            depth += 1
+        elif text[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return len(text)
+
+
+def _operand_end(text: str, i: int) -> int:
+    """Index just past the operand that starts at text[i]: a bracket group, or a \\command or a sign followed by
+    a run of digits, letters and dots (sympy reads the plain-text "9^99" with the whole run as exponent)."""
+    if i < len(text) and text[i] in "([{":
+        return _group_end(text, i)
+    j = i + 1 if i < len(text) and text[i] in "\\+-" else i  # a command's backslash, a sign
+    while j < len(text) and (text[j].isalnum() or text[j] == "."):
+        j += 1
+    return j
+
+
+def _literal_value(text: str) -> float | None:
+    """|value| of a number literal, possibly wrapped in brackets and spaces ("{ 1000 }"); None if not one."""
+    text = text.strip("()[]{} ")
+    return abs(float(text)) if PLAIN_NUMBER.fullmatch(text) else None
+
+
+def largest_exponent(text: str) -> float:
+    """The largest literal exponent in text; inf for a power tower (a^b^c, a^{b^c}); 0 if there is none.
+
+    A symbolic exponent (x, \\circ, 2n) counts as 0: sympy keeps those unevaluated, so they cost nothing."""
+    largest = 0.0
+    for i, ch in enumerate(text):
+        if ch != "^":
+            continue
+        start = i + 1
+        while start < len(text) and text[start] == " ":
+            start += 1
+        end = _operand_end(text, start)
+        after = text[end:].lstrip(" ")
+        if "^" in text[start:end] or after.startswith("^"):
+            return float("inf")
+        value = _literal_value(text[start:end])
+        largest = max(largest, value or 0.0)
+    return largest
+
+
+def largest_factorial(text: str) -> float:
+    """The largest n in a factorial n! (inf if n is not a number literal); 0 if there is none.
+
+    "\\!" (LaTeX's negative thin space) is no factorial."""
+    largest = 0.0
+    for i, ch in enumerate(text):
+        if ch != "!" or text[i - 1 : i] == "\\":
+            continue
+        number = re.search(r"\d+(?:\.\d+)?$", text[:i].rstrip())
+        largest = max(largest, float(number.group()) if number else float("inf"))
+    return largest
+
+
+def settle_cheaply(given: str, ground_truth: str) -> bool | None:
+    """The label of an answer that needs no symbolic grading, or None to leave it to mathruler and math_verify.
+
+    Plain numbers on both sides are compared by value: both libraries do that too, but only after ~10 ms of
+    sympy.simplify per wrong answer, and most geo3k answers are plain decimals. An answer longer, more deeply
+    nested, with a larger power or factorial than any legitimate form of the truth (limits above) is wrong: it
+    could only be equal by being a padded or inflated form of it, and those are what a policy must not learn.
+    Each check is a pass or two over the answer, which is short once the length check has passed.
+    """
+    truth = ground_truth.strip()
+    if PLAIN_NUMBER.fullmatch(given) and PLAIN_NUMBER.fullmatch(truth):
+        return float(given) == float(truth)
+    if len(given) > ANSWER_CHARS_BASE + ANSWER_CHARS_PER_TRUTH_CHAR * len(truth):
+        return False
+    if nesting_depth(given) > nesting_depth(truth) + EXTRA_NESTING:
+        return False
+    if largest_exponent(given) > max(MAX_EXPONENT, largest_exponent(truth)):
+        return False
+    if largest_factorial(given) > max(MAX_FACTORIAL, largest_factorial(truth)):
+        return False
+    return None
+
+
+def grade_symbolically(given: str, ground_truth: str) -> bool:
     """Grade an extracted answer against the ground truth with maintained graders, not our own.
 
     mathruler (EasyR1's grader) goes first: it is the one geo3k recipes report numbers with. math_verify
@@ -81,15 +195,17 @@ def is_equivalent(given: str, ground_truth: str) -> bool:
     math_verify's own timeouts use SIGALRM, which only works in the main thread and cannot interrupt a long
     big-int operation, so they are off: RewardScorer bounds the whole call by killing its worker instead.
     """
-    if PLAIN_NUMBER.fullmatch(given) and PLAIN_NUMBER.fullmatch(ground_truth.strip()):
-        # Most geo3k answers are plain decimals. Both libraries settle those by exact value too, but only after
-        # ~10 ms of sympy.simplify per wrong answer, and that is most of a 2560-response batch's grading time.
-        return float(given) == float(ground_truth)
     if grade_answer(given, ground_truth):
         return True
     gold = parse(f"${ground_truth}$", parsing_timeout=None)
     pred = parse(f"${given}$", parsing_timeout=None)
     return verify(gold, pred, timeout_seconds=None)
+
+
+def is_equivalent(given: str, ground_truth: str) -> bool:
+    """True if the answer grades equal to the ground truth: settled cheaply where it can be, else symbolically."""
+    settled = settle_cheaply(given, ground_truth)
+    return settled if settled is not None else grade_symbolically(given, ground_truth)
 
 
 def compute_score(response: str, ground_truth: str) -> dict[str, float]:
@@ -169,6 +285,20 @@ def call_reward(fn: Callable, response: str, ground_truth: str) -> dict[str, flo
 # time-bounded scoring in worker processes
 
 STARTUP_TIMEOUT = 120.0  # seconds for a fresh worker to import its reward function
+# Each worker holds its own sympy and parsers (~70 MB resident); a rank's share of a step (2,560 answers over 8 GPUs,
+# ~7 ms of CPU each) grades in well under a second on 8 of them, so more would only add start-up time and memory.
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_num_workers(local_ranks: int = 1) -> int:
+    """Grading processes for one rank: the cores this process may run on, shared among the ranks on this node.
+
+    local_ranks is the number of ranks on this node (torchrun's LOCAL_WORLD_SIZE). At least 1, at most
+    MAX_DEFAULT_WORKERS. Assumes the node's ranks share one CPU set, as under torchrun; where a launcher pins each
+    rank to its own cores (srun with one task per GPU), the affinity already is the rank's share: pass 1.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_WORKERS, cores // max(1, local_ranks)))
 
 
 def _worker_main(conn, fn_spec: str) -> None:
@@ -233,6 +363,8 @@ class RewardScorer:
     trainer holds CUDA and torch.distributed threads that a fork would copy in a broken state. A timed-out
     worker is killed and replaced; its item scores zeros and counts in n_timeouts. An exception in the
     reward function (or a worker crash) scores zeros and counts in n_errors; last_error says what happened.
+    Both counters are cumulative over the scorer's life (a checkpoint saves them): a step's own count, over
+    however many score() calls the step makes, is the difference of n_timeouts before and after it.
 
     The reward function is named by spec and loaded inside each worker, so it never has to be picklable.
     With timeout None or 0 the function is called directly in this process: cheap, but unbounded.
@@ -243,6 +375,8 @@ class RewardScorer:
         path, name = resolve_spec(fn_spec)
         self.fn_spec = f"{path}:{name}"  # absolute, so workers find it whatever their cwd
         self.fn = load_reward_fn(self.fn_spec)  # fail fast, here, on a bad spec
+        if num_workers < 1:
+            raise ValueError(f"num_workers={num_workers} must be at least 1 (default_num_workers() picks one)")
         self.timeout = timeout
         self.num_workers = num_workers
         self.n_timeouts = 0

@@ -10,8 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 
 from reward import (  # noqa: E402
     FORMAT_REGEX,
+    MAX_DEFAULT_WORKERS,
     RewardScorer,
     compute_score,
+    default_num_workers,
     digit_fraction,
     has_format,
     is_equivalent,
@@ -195,19 +197,6 @@ def test_workers_match_direct_path_in_order():
     assert not any(proc.is_alive() for proc in workers)  # the context manager leaves no orphan processes
 
 
-def test_hostile_input_times_out_and_scorer_recovers():
-    """Guards against sympy hanging training: 9^{9^{9}} runs for minutes in math_verify without the bound."""
-    with RewardScorer(timeout=1.0) as scorer:
-        scorer.score(["\\boxed{1}"], ["1"])  # let the worker start before timing
-        start = time.monotonic()
-        got = scorer.score(["<think>r</think> \\boxed{9^{9^{9}}}", "\\boxed{48}"], ["1", "48"])
-        assert time.monotonic() - start < 1.0 + 5.0
-        assert got[0] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0}  # zeros, even the format
-        assert got[1]["accuracy"] == 1.0  # the replacement worker grades the next item
-        assert (scorer.n_timeouts, scorer.n_errors) == (1, 0)
-        assert scorer.score(["\\boxed{7}"], ["7"])[0]["accuracy"] == 1.0
-
-
 USER_REWARD = """
 import os
 
@@ -216,6 +205,8 @@ def length_reward(response, ground_truth):
         raise RuntimeError("bad input")
     if response == "crash":
         os._exit(3)
+    if response == "hang":  # one big-int power of minutes, as sympy computes on 9^{9^{9}}: no signal interrupts it
+        9 ** 9 ** 9
     return {"overall": len(response) / 10, "format": 0.0, "accuracy": float(response == ground_truth), "length": 1.0}
 """
 
@@ -225,6 +216,20 @@ def user_spec(tmp_path):
     path = tmp_path / "my_reward.py"
     path.write_text(USER_REWARD)
     return f"{path}:length_reward"
+
+
+def test_hung_grader_times_out_and_scorer_recovers(user_spec):
+    """Guards against a hung grader hanging training: sympy runs for minutes on some hostile answers (9^{9^{9}} did,
+    before reward.settle_cheaply), in one big-int operation that only killing the worker can stop."""
+    with RewardScorer(user_spec, timeout=1.0) as scorer:
+        scorer.score(["x"], ["x"])  # let the worker start before timing
+        start = time.monotonic()
+        got = scorer.score(["hang", "abcde"], ["", "abcde"])
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert got[0] == {"overall": 0.0, "format": 0.0, "accuracy": 0.0, "length": 0.0}  # zeros, every key
+        assert got[1]["accuracy"] == 1.0  # the replacement worker grades the next item
+        assert (scorer.n_timeouts, scorer.n_errors) == (1, 0)
+        assert scorer.score(["xyz"], ["xyz"])[0]["accuracy"] == 1.0
 
 
 def test_user_reward_file_runs_in_workers(user_spec):
@@ -273,3 +278,19 @@ def test_default_spec_found_from_any_cwd(tmp_path, monkeypatch):
     """Guards against the default "reward.py:compute_score" only working when run from the repo root."""
     monkeypatch.chdir(tmp_path)
     assert load_reward_fn("reward.py:compute_score")("\\boxed{2}", "2")["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "cores, local_ranks, expected",
+    [(2, 1, 2), (16, 1, MAX_DEFAULT_WORKERS), (16, 8, 2), (16, 4, 4), (4, 8, 1), (1, 1, 1)],
+)
+def test_default_num_workers_shares_the_cores(monkeypatch, cores, local_ranks, expected):
+    """Guards against one rank's graders taking every core of the node, or a rank getting none."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert default_num_workers(local_ranks) == expected
+
+
+def test_num_workers_below_one_is_rejected():
+    """Guards against num_workers=0 (the trainer's "auto") reaching the scorer, whose score() would then never end."""
+    with pytest.raises(ValueError, match="default_num_workers"):
+        RewardScorer(num_workers=0)
