@@ -152,7 +152,7 @@ class RolloutConfig:
 class RewardConfig:
     reward_fn: str = "reward.py:compute_score"  # path/to/file.py:function returning {"overall", ...}
     timeout: float = 10.0  # seconds per graded answer; a hang or crash scores 0 and is counted
-    num_workers: int = 2  # grading processes per rank
+    num_workers: int = 0  # grading processes per rank; 0 = the rank's share of the cores it may use (at most 8)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last this-many tokens before the limit; 0 = off
     overlong_penalty_factor: float = 1.0  # the penalty at the length limit
 
@@ -267,6 +267,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"algorithm.kl_penalty={cfg.algorithm.kl_penalty!r}; valid: {list(KL_PENALTIES)}")
     if a.policy_loss not in POLICY_LOSSES:
         raise ConfigError(f"actor.policy_loss={a.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
+    if cfg.reward.num_workers < 0:
+        raise ConfigError(f"reward.num_workers={cfg.reward.num_workers}; 0 = automatic, or a number of processes")
     if cfg.reward.overlong_buffer >= d.max_response_length:
         raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} must be < data.max_response_length")
     if a.loss_agg_mode not in LOSS_AGGREGATIONS:
@@ -574,6 +576,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     rounds = alg.max_filter_rounds if alg.online_filtering else 1
     examples, prompts, samples, results = [], [], [], []
     stats = {"rollout/filtered_groups": 0.0, "rollout/prompts_drawn": 0.0}
+    timeouts_before = scorer.n_timeouts
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
     for round_ in range(rounds):
@@ -618,6 +621,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
             f"prompts; raise algorithm.max_filter_rounds or widen filter_low/filter_high"
         )
     stats["rollout/filter_rounds"] = round_ + 1.0
+    stats["reward/timeouts_step"] = float(scorer.n_timeouts - timeouts_before)  # however many score() calls it took
     return (examples, prompts, samples, results, stats), epoch, position
 
 
@@ -940,6 +944,9 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
     metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
     metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+    # answers whose grading hit reward.timeout this step, all ranks together
+    timeouts = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step")}
+    metrics.update(mean_over_ranks(timeouts, {"reward/timeouts_step": 1.0 / world}))
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")
         metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
@@ -1028,7 +1035,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data, reward, models, engine
     from transformers import AutoProcessor
 
-    from reward import RewardScorer
+    from reward import RewardScorer, default_num_workers
 
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
@@ -1036,9 +1043,9 @@ def main(argv=None):
     engine = rollout.make_engine(cfg, processor)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
-    scorer = RewardScorer(
-        f"{resolve_path(fn_path)}:{fn_name}", timeout=cfg.reward.timeout, num_workers=cfg.reward.num_workers
-    )
+    # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
+    workers = cfg.reward.num_workers or default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    scorer = RewardScorer(f"{resolve_path(fn_path)}:{fn_name}", timeout=cfg.reward.timeout, num_workers=workers)
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)

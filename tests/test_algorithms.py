@@ -171,11 +171,15 @@ class _FakeEngine:
 
 
 class _FakeScorer:
+    n_timeouts = 0  # cumulative, as RewardScorer keeps it
+
     def score(self, responses, answers):
-        # problems "right" score 1, "wrong" 0, "mixed" alternate: only mixed groups carry a learning signal
+        # problems "right" score 1, "wrong" 0, "mixed" alternate: only mixed groups carry a learning signal; a
+        # "hang" answer is one whose grading timed out: it scores 0 and counts
         out = []
         for k, text in enumerate(responses):
-            acc = {"right": 1.0, "wrong": 0.0}.get(text, float(k % 2))
+            self.n_timeouts += text == "hang"
+            acc = {"right": 1.0, "wrong": 0.0, "hang": 0.0}.get(text, float(k % 2))
             out.append({"overall": acc, "accuracy": acc, "format": 0.0})
         return out
 
@@ -189,7 +193,7 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-def _filtering_run(problems, rounds):
+def _filtering_run(problems, rounds, scorer=None):
     from types import SimpleNamespace
 
     import rollout
@@ -204,7 +208,8 @@ def _filtering_run(problems, rounds):
     rollout.encode_prompt = lambda proc, ex: SimpleNamespace(text=ex.problem)
     try:
         sampler = ShardSampler(len(train_set), 0, 1, seed=0, shuffle=False)
-        return collect_rollouts(_FakeEngine(), _FakeScorer(), processor, train_set, sampler, 0, 0, cfg, 1, {})
+        scorer = scorer or _FakeScorer()
+        return collect_rollouts(_FakeEngine(), scorer, processor, train_set, sampler, 0, 0, cfg, 1, {})
     finally:
         rollout.encode_prompt = encode
 
@@ -225,3 +230,15 @@ def test_online_filtering_gives_up_with_a_clear_error(single_rank_group):
     """Guards against an endless loop when no prompt is informative."""
     with pytest.raises(RuntimeError, match=r"only 0 of the 4 prompt groups .* after 3 rounds.*max_filter_rounds"):
         _filtering_run(["right", "wrong"] * 8, rounds=3)
+
+
+def test_step_timeouts_count_every_round_of_the_step(single_rank_group):
+    """Guards against reward/timeouts_step counting only the last score() call of a step (dynamic sampling grades
+    in several rounds) or reporting the cumulative counter: 2 rounds of 4 prompts x 2 answers, 3 "hang" prompts
+    drawn in them -> 6 timeouts this step, whatever the scorer counted before."""
+    scorer = _FakeScorer()
+    scorer.n_timeouts = 5  # from earlier steps
+    problems = ["hang", "mixed", "wrong", "hang", "mixed", "hang", "mixed", "mixed"]
+    (_, _, _, _, stats), _, _ = _filtering_run(problems, rounds=4, scorer=scorer)
+    assert stats["rollout/filter_rounds"] == 2 and stats["reward/timeouts_step"] == 6
+    assert scorer.n_timeouts == 11

@@ -103,12 +103,13 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     required = ["epoch", "reward/overall", "reward/accuracy", "reward/format", "actor/pg_loss", "actor/kl",
                 "actor/entropy", "actor/clip_frac", "actor/grad_norm", "response_length/mean",
                 "response_length/clip_ratio", "time/rollout", "time/train", "time/step",
-                "perf/tokens_per_s_per_device"]  # fmt: skip
+                "perf/tokens_per_s_per_device", "reward/timeouts_step"]  # fmt: skip
     for r in train_rows:
         missing = [k for k in required if k not in r]
         assert not missing, missing
         assert all(torch.isfinite(torch.tensor(r[k])) for k in required)
     assert "val/accuracy" in rows[0] and "val/accuracy" in train_rows[9] and "val/accuracy" in train_rows[19]
+    assert all(r["reward/timeouts_step"] == 0 for r in train_rows)  # the toy reward never hangs
     first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
     assert last > first + 0.1, (first, last)
