@@ -338,14 +338,18 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl",)
 
 
+def unsupported_type(model_type) -> str | None:
+    """Why a checkpoint of this model_type cannot be trained here, or None."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return None
+    return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+
+
 def unsupported_model(path: str) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
     None. from_pretrained would load a Qwen3-VL checkpoint into the Qwen2.5-VL class, warn about the weights it
     leaves random, and train the result: this stops first, naming the model_type. A hub id not in the cache is
     checked by load_model, once its config.json is downloaded."""
-    import json
-    import os
-
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -356,10 +360,7 @@ def unsupported_model(path: str) -> str | None:
     if not os.path.exists(config_file):
         return "no config.json: not a Hugging Face model directory"
     with open(config_file) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-    return None
+        return unsupported_type(json.load(f).get("model_type"))
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
@@ -370,9 +371,9 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
 
     attn_implementation = resolve_attention(attn_implementation, device)
     config = AutoConfig.from_pretrained(path)  # (a hub model's config.json is downloaded here, if it was not cached)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:  # never load it into another class with weights left random
-        supported = ", ".join(SUPPORTED_MODEL_TYPES)
-        raise ValueError(f"{path}: model_type {config.model_type!r} is not supported; supported: {supported}")
+    problem = unsupported_type(config.model_type)  # never load it into another class with weights left random
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     if meta:
         with torch.device("meta"):
             model = Qwen2_5_VLForConditionalGeneration._from_config(
