@@ -65,7 +65,9 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
 # ----------------------------------------------------------------------------------------------------------------------
 # Packed attention and positions, and the forward that gives the response tokens' log-probs.
 
-PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "varlen_packed", "flash_attention_2", "flash_attention_3")
+# attention this module implements over a PackedLayout (shared prefixes included), and all that keeps packed rows apart
+OWN_PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "varlen_packed")
+PACKED_ATTENTION = (*OWN_PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
 # The vision tower passes its per-image (and per-window) bounds to the attention function only when the name of its
 # attention says "flash"; anything else makes it loop over images and windows in Python (REFERENCE.md §7). So on
 # CUDA the tower's config names varlen_packed under this second name. It is set on the loaded model, never passed

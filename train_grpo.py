@@ -50,7 +50,14 @@ from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
-from models import PACKED_ATTENTION, forward_logprobs, load_policy_and_reference, reshard, unsupported_model
+from models import (
+    OWN_PACKED_ATTENTION,
+    PACKED_ATTENTION,
+    forward_logprobs,
+    load_policy_and_reference,
+    reshard,
+    unsupported_model,
+)
 from runtime import (
     StopSignal,
     check_gpu_memory,
@@ -671,8 +678,7 @@ def shares_prefixes(actor) -> bool:
     """actor.shared_prefix where it is exact: packed micro-batches through this trainer's own attention functions.
     transformers' flash_attention_2 would find the sequences of a row from its positions alone and let the answers
     of a group see each other."""
-    ours = actor.attn_implementation in ("auto", "sdpa", "sdpa_packed", "varlen_packed")
-    return actor.shared_prefix and actor.padding_free and ours
+    return actor.shared_prefix and actor.padding_free and actor.attn_implementation in OWN_PACKED_ATTENTION
 
 
 def prompt_groups(prompts, samples, indices):
