@@ -2,11 +2,12 @@
 
 `python train_grpo.py CONFIG --dry-run` prints it without a GPU and without weights; every start prints it too,
 and on CUDA a plan over the limit stops the run with the config key to change. The model's size comes from its
-config.json (a local directory), the embedded numbers of the known Qwen2.5-VL sizes (a hub id), or the hub's
-config.json, never from the weights.
+config.json (a local directory), the embedded numbers of the known sizes (a hub id: Qwen2.5-VL 3B to 72B, Qwen3-VL-8B,
+Qwen3.5-9B), or the hub's config.json, never from the weights; each supported family (Qwen2.5-VL, Qwen3-VL, Qwen3.5)
+has its own exact count.
 
 What is exact and what is estimated:
-- Exact: the parameter counts (checked against transformers' model in tests/test_memory_plan.py), and so the
+- Exact: the parameter counts (checked against transformers' models in tests/test_memory_plan.py), and so the
   sharded states: FSDP2 shards every parameter over all ranks, each rank keeps 1/world of the fp32 master weights,
   their fp32 gradients and AdamW's two fp32 moments (trainable parameters only), and of the reference model in the
   compute dtype (bf16).
@@ -38,7 +39,7 @@ class PlanError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Model sizes: the few numbers of a Qwen2.5-VL config.json the count needs.
+# Model sizes: the few numbers of a config.json the count needs, for each supported family (models.FAMILIES).
 
 
 @dataclass(frozen=True)
@@ -57,24 +58,56 @@ class ModelShape:
     temporal_patch: int = 2
     in_channels: int = 3
     merge: int = 2  # spatial_merge_size: merge x merge patches become one LM token
+    family: str = "qwen2_5_vl"  # config.json's model_type
+    head_dim: int = 0  # 0: hidden // heads (Qwen2.5-VL); Qwen3-VL and Qwen3.5 give it
+    vision_positions: int = 0  # Qwen3-VL/Qwen3.5 towers: a learned table of this many position embeddings
+    deepstack: int = 0  # Qwen3-VL: mergers that feed tower layers' outputs into the first decoder layers
+    linear_layers: int = 0  # Qwen3.5: decoder layers with linear attention (gated DeltaNet); the rest full attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0  # Qwen3.5: the linear layers' causal depthwise convolution
+
+    @property
+    def dim(self) -> int:  # one attention head
+        return self.head_dim or self.hidden // self.heads
 
 
-# The public config.json numbers of Qwen/Qwen2.5-VL-*-Instruct. 3B and 7B are checked in the tests against their
-# published totals (3.75 B, 8.29 B) and module shapes; 32B and 72B are as their config.json files read (a vision MLP
-# of 3456 instead of 3420), not checked here.
+# The public config.json numbers of the known hub ids, so a dry run of the shipped configs needs no download.
+# Qwen2.5-VL 3B and 7B are checked in the tests against their published totals (3.75 B, 8.29 B) and module shapes;
+# 32B and 72B are as their config.json files read (a vision MLP of 3456 instead of 3420), not checked here.
+# Qwen3-VL-8B (8.77 B) and Qwen3.5-9B (9.41 B without the multi-token-prediction layer that transformers does not
+# load; 9.65 B in its files) are checked against transformers' models built on the meta device.
+_QWEN3_TOWER = dict(vision_depth=27, vision_hidden=1152, vision_intermediate=4304, patch=16, vision_positions=2304)
 KNOWN_SHAPES = {
     "Qwen/Qwen2.5-VL-3B-Instruct": ModelShape(2048, 11008, 36, 16, 2, 151936, tied=True),
     "Qwen/Qwen2.5-VL-7B-Instruct": ModelShape(3584, 18944, 28, 28, 4, 152064, tied=False),
     "Qwen/Qwen2.5-VL-32B-Instruct": ModelShape(5120, 27648, 64, 40, 8, 152064, tied=False, vision_intermediate=3456),
     "Qwen/Qwen2.5-VL-72B-Instruct": ModelShape(8192, 29568, 80, 64, 8, 152064, tied=False, vision_intermediate=3456),
-}
+    "Qwen/Qwen3-VL-8B-Instruct": ModelShape(
+        4096, 12288, 36, 32, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
+    ),
+    "Qwen/Qwen3.5-9B": ModelShape(
+        4096, 12288, 32, 16, 4, 248320, tied=False, family="qwen3_5", head_dim=256, linear_layers=24,
+        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        **_QWEN3_TOWER,
+    ),
+}  # fmt: skip
 
 
 def shape_from_config(config: dict) -> ModelShape:
-    """A Qwen2.5-VL config.json as a dict. Files written before transformers 5 keep the text numbers at the top
-    level and may keep tie_word_embeddings in text_config; transformers reads both places, and so does this."""
+    """A config.json as a dict, of any supported family. Files written before transformers 5 keep the text numbers at
+    the top level and may keep tie_word_embeddings in text_config; transformers reads both places, and so does this."""
+    family = config.get("model_type", "qwen2_5_vl")
+    if family not in PARAM_COUNTS:
+        raise KeyError(f"model_type {family!r}")
     text = {**config, **config.get("text_config", {})}
     vision = config["vision_config"]
+    layer_types = text.get("layer_types") or []
+    if family == "qwen3_5" and not layer_types:  # transformers' default: every full_attention_interval-th is full
+        every = text.get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "x" for i in range(text["num_hidden_layers"])]
     return ModelShape(
         hidden=text["hidden_size"],
         intermediate=text["intermediate_size"],
@@ -90,6 +123,16 @@ def shape_from_config(config: dict) -> ModelShape:
         temporal_patch=vision["temporal_patch_size"],
         in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
         merge=vision["spatial_merge_size"],
+        family=family,
+        head_dim=text.get("head_dim", 0) if family != "qwen2_5_vl" else 0,
+        vision_positions=vision.get("num_position_embeddings", 0) if family != "qwen2_5_vl" else 0,
+        deepstack=len(vision.get("deepstack_visual_indexes", [])) if family == "qwen3_vl" else 0,
+        linear_layers=sum(t != "full_attention" for t in layer_types) if family == "qwen3_5" else 0,
+        linear_key_heads=text.get("linear_num_key_heads", 0),
+        linear_value_heads=text.get("linear_num_value_heads", 0),
+        linear_key_dim=text.get("linear_key_head_dim", 0),
+        linear_value_dim=text.get("linear_value_head_dim", 0),
+        conv_kernel=text.get("linear_conv_kernel_dim", 0),
     )
 
 
@@ -113,26 +156,78 @@ def read_model_shape(model_path: str) -> ModelShape:
         with open(path) as f:
             return shape_from_config(json.load(f))
     except (OSError, KeyError, json.JSONDecodeError) as e:
-        raise PlanError(f"actor.model_path={model_path!r}: {path} is not a Qwen2.5-VL config.json ({e!r})") from None
+        raise PlanError(
+            f"actor.model_path={model_path!r}: {path} is not a config.json of a supported family "
+            f"({', '.join(PARAM_COUNTS)}): {e!r}"
+        ) from None
 
 
-def count_params(s: ModelShape) -> dict[str, int]:
-    """Exact parameter counts of transformers' Qwen2_5_VLForConditionalGeneration, per FSDP2 unit: one decoder
-    layer, the vision tower, and the root (what is in neither: embedding, final norm, LM head)."""
-    head_dim = s.hidden // s.heads
-    kv = s.kv_heads * head_dim
-    h, i = s.hidden, s.intermediate
+# Exact parameter counts of transformers' models, per FSDP2 unit: a decoder layer (the largest, where layers differ),
+# all decoder layers, the vision tower, and the root (what is in neither: embedding, final norm, LM head).
+
+
+def _qwen2_5_vl_layers(s: ModelShape) -> list[int]:
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.dim
     # q, k, v with biases, o without; gate, up, down without biases; two RMSNorm weights
-    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
+    return [(h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h] * s.layers
+
+
+def _qwen3_vl_layers(s: ModelShape) -> list[int]:
+    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
+    # q, k, v, o without biases, RMSNorms over each head's q and k; gate, up, down; two RMSNorm weights
+    return [h * q + 2 * h * kv + q * h + 2 * s.dim + 3 * h * i + 2 * h] * s.layers
+
+
+def _qwen3_5_layers(s: ModelShape) -> list[int]:
+    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
+    mlp_norms = 3 * h * i + 2 * h
+    # full attention: q_proj also gives the output gate (2q), k, v, o without biases, q/k RMSNorms
+    full = h * 2 * q + 2 * h * kv + q * h + 2 * s.dim + mlp_norms
+    # gated DeltaNet: in_proj_qkv, in_proj_z (gate), in_proj_b and in_proj_a (per value head), a depthwise conv over
+    # q, k and v without bias, dt_bias and A_log per value head, a gated RMSNorm over a value head, out_proj
+    keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
+    vh, conv = s.linear_value_heads, 2 * keys + values
+    linear = h * conv + h * values + 2 * h * vh + conv * s.conv_kernel + 2 * vh + s.linear_value_dim + values * h
+    return [linear + mlp_norms] * s.linear_layers + [full] * (s.layers - s.linear_layers)
+
+
+def _qwen2_5_vl_tower(s: ModelShape) -> int:
     hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
     patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv  # Conv3d without bias
     # qkv and proj with biases; a gated MLP (gate, up, down) with biases; two RMSNorm weights
     block = (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + 2 * (hv * iv + iv) + (iv * hv + hv) + 2 * hv
     # the merger: RMSNorm over each patch, then Linear(merged, merged), GELU, Linear(merged, LM hidden)
-    merger = hv + (merged * merged + merged) + (merged * h + h)
-    vision = patch_embed + s.vision_depth * block + merger
-    root = s.vocab * h + h + (0 if s.tied else s.vocab * h)
-    return {"layer": layer, "vision": vision, "root": root, "total": root + vision + s.layers * layer}
+    merger = hv + (merged * merged + merged) + (merged * s.hidden + s.hidden)
+    return patch_embed + s.vision_depth * block + merger
+
+
+def _qwen3_tower(s: ModelShape) -> int:
+    """Qwen3-VL's tower, which Qwen3.5 shares without the deepstack mergers."""
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv + hv  # Conv3d with bias
+    # qkv and proj with biases; a plain MLP (fc1, fc2) with biases; two LayerNorms (weight and bias)
+    block = (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + (hv * iv + iv) + (iv * hv + hv) + 4 * hv
+    mlp = (merged * merged + merged) + (merged * s.hidden + s.hidden)  # a merger's Linear, GELU, Linear
+    # the merger's LayerNorm is over each patch; each deepstack merger's over the merged patches
+    mergers = (2 * hv + mlp) + s.deepstack * (2 * merged + mlp)
+    return patch_embed + s.vision_positions * hv + s.vision_depth * block + mergers
+
+
+PARAM_COUNTS = {  # model_type -> (decoder layers, vision tower)
+    "qwen2_5_vl": (_qwen2_5_vl_layers, _qwen2_5_vl_tower),
+    "qwen3_vl": (_qwen3_vl_layers, _qwen3_tower),
+    "qwen3_5": (_qwen3_5_layers, _qwen3_tower),
+}
+
+
+def count_params(s: ModelShape) -> dict[str, int]:
+    """Exact parameter counts of the family's transformers model (..ForConditionalGeneration), per FSDP2 unit: the
+    largest decoder layer, all of them, the vision tower, and the root."""
+    layers_of, tower_of = PARAM_COUNTS[s.family]
+    layers, vision = layers_of(s), tower_of(s)
+    root = s.vocab * s.hidden + s.hidden + (0 if s.tied else s.vocab * s.hidden)
+    return {"layer": max(layers), "layers": sum(layers), "vision": vision, "root": root,
+            "total": root + vision + sum(layers)}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -177,7 +272,7 @@ def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
 def compute_plan(s: ModelShape, x: Settings) -> dict:
     """Bytes per GPU in each phase of a step, the parts of each phase in order, and the host bytes per rank at load."""
     n = count_params(s)
-    kv = s.kv_heads * (s.hidden // s.heads)
+    kv = s.kv_heads * s.dim
     trainable = n["total"] - (n["vision"] if x.freeze_vision else 0)
     with_vllm = x.engine == "vllm"
     states = {
@@ -198,7 +293,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # Activations of one training micro-batch (bf16, 2 B an element). Its images can have at most merge^2 patches per
     # LM token, all in the vision tower at once; the tower's blocks are checkpointed like the decoder layers.
     t, patches = x.train_tokens, x.train_tokens * s.merge**2
-    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.intermediate, x.checkpointing, rope=2 * (s.hidden // s.heads))
+    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.intermediate, x.checkpointing, rope=2 * s.dim)
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
     vis_saved = 0 if x.freeze_vision else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
     lm_saved = 2 * t * lm_kept * s.layers
@@ -245,7 +340,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             **states,
             "grads": 0,
             "gathered": gathered,
-            "kv cache": x.hf_rows * x.seq_len * s.layers * 2 * kv * 2,
+            "kv cache": x.hf_rows * x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2,
             "logits": x.hf_rows * x.response_len * s.vocab * 4,
             "runtime": RUNTIME,
         }
@@ -258,7 +353,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "read buffer": 2 * s.vocab * s.hidden,
         "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,
     }
-    vllm_min = 2 * n["total"] / x.tp + x.seq_len * s.layers * 2 * kv * 2 / x.tp  # its weights + one sequence's KV
+    # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
+    vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
     return {"params": n, "phases": phases, "host": host, "vllm_min": vllm_min if with_vllm else 0.0}
 
 

@@ -40,23 +40,47 @@ def test_count_equals_the_tiny_models_parameters(tiny_model_dir):
     assert counts["root"] == numel(model) - numel(model.model.visual) - numel(model.model.language_model.layers)
 
 
+def transformers_config(s):
+    """The transformers config of a ModelShape: what a checkpoint of that shape would carry in its config.json."""
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
+
+    text = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
+                num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab)  # fmt: skip
+    vision = dict(depth=s.vision_depth, hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate,
+                  out_hidden_size=s.hidden, patch_size=s.patch, spatial_merge_size=s.merge)  # fmt: skip
+    if s.family == "qwen2_5_vl":
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
+    text["head_dim"] = s.head_dim
+    vision["num_position_embeddings"] = s.vision_positions
+    if s.family == "qwen3_vl":
+        vision["deepstack_visual_indexes"] = [8, 16, 24][: s.deepstack]
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
+    linear = dict(linear_num_key_heads=s.linear_key_heads, linear_num_value_heads=s.linear_value_heads,
+                  linear_key_head_dim=s.linear_key_dim, linear_value_head_dim=s.linear_value_dim,
+                  linear_conv_kernel_dim=s.conv_kernel,
+                  full_attention_interval=s.layers // (s.layers - s.linear_layers))  # fmt: skip
+    return Qwen3_5Config(text_config={**text, **linear}, vision_config=vision, tie_word_embeddings=s.tied)
+
+
 @pytest.mark.parametrize("name", list(KNOWN_SHAPES))
 def test_count_equals_transformers_for_the_known_sizes(name):
-    """Guards against the counter being right for the tiny model only (tied embeddings in 3B, GQA widths): the
-    known sizes built by transformers on the meta device (no memory) have exactly the counted parameters."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """Guards against the counter being right for the tiny model only (tied embeddings in 3B, GQA widths, Qwen3-VL's
+    deepstack mergers and q/k norms, Qwen3.5's gated q_proj and linear-attention layers): the known sizes built by
+    transformers on the meta device (no memory) have exactly the counted parameters, in total and per FSDP2 unit."""
+    from transformers import AutoModelForImageTextToText
 
     s = KNOWN_SHAPES[name]
-    config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
-                         num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab),
-        vision_config=dict(depth=s.vision_depth, hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate,
-                           out_hidden_size=s.hidden),
-        tie_word_embeddings=s.tied,
-    )  # fmt: skip
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    assert count_params(s)["total"] == sum(p.numel() for p in model.parameters())
+        model = AutoModelForImageTextToText.from_config(transformers_config(s))
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    counts, layers = count_params(s), model.model.language_model.layers
+    assert model.config.model_type == s.family
+    assert counts["total"] == numel(model)
+    assert counts["layer"] == max(numel(layer) for layer in layers)
+    assert counts["layers"] == numel(layers)
+    assert counts["vision"] == numel(model.model.visual)
+    # and what a checkpoint's config.json says of the shape is the shape
+    assert shape_from_config(transformers_config(s).to_dict()) == s
 
 
 # The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
@@ -190,6 +214,24 @@ def test_geo3k_plans_term_by_term(config, hand):
     peak = max(sum(parts.values()) for name, parts in hand.items() if name != "host per node")
     assert peak == pytest.approx(sum(hand["rollout"].values()))  # vLLM's 48 GiB makes the rollout the peak
     assert peak <= 0.95 * 80 * GIB and plan_problem(plan_memory(load_config(config, NODE), 8)) is None
+
+
+@pytest.mark.parametrize(
+    "config, model, params",
+    [("configs/qwen3_vl_8b_geo3k.yaml", "Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696),
+     ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744)],
+)  # fmt: skip
+def test_new_family_recipes_fit_one_node(config, model, params):
+    """Guards against shipping a Qwen3-VL or Qwen3.5 recipe that cannot run on 8 x 80 GB: the plan, from the known
+    shape of its hub id (the same numbers transformers builds, above), fits, and its sharded states are those of
+    that many parameters (fp32 weights and gradients, AdamW's two moments, a bf16 reference)."""
+    plan = plan_memory(load_config(config, NODE), 8)
+    assert plan.model == model and plan.numbers["params"]["total"] == params
+    update = plan.numbers["phases"]["update"]
+    assert [update[k] for k in ("params", "grads", "adam", "reference")] == pytest.approx(
+        [4 * params / 8, 4 * params / 8, 8 * params / 8, 2 * params / 8]
+    )
+    assert plan_problem(plan) is None
 
 
 def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
