@@ -477,7 +477,7 @@ def load_weights(model, path, device):
     # tied weights once (3B's lm_head is embed_tokens, not in its files); LoRA factors are not in the files either:
     # init_lora fills them. A LoRA-wrapped layer's weight is its base_layer's (PEFT's name), the file's plain one.
     params = {name: p for name, p in model.named_parameters() if not is_lora_factor(name)}
-    missing = [name for name in params if base_name(name) not in where]
+    missing = [base_name(name) for name in params if base_name(name) not in where]
     if missing:
         raise ValueError(
             f"{path}: the safetensors lack {len(missing)} of the model's tensors: {', '.join(missing[:5])}"
@@ -640,19 +640,24 @@ def init_lora(model, seed=0):
     """LoRA's initialisation, the same on every rank and in every run: A uniform in +-1/sqrt(in) (PEFT's default,
     kaiming-uniform with a = sqrt(5)) from one seeded generator walked in module order, B zero, so the adapted
     model starts as the base. Each rank copies its own rows of the full A (FSDP2's dim-0 shards)."""
-    from torch.distributed.tensor import DTensor
-
     g = torch.Generator().manual_seed(seed)
     for layer in lora_layers(model).values():
         a, b = layer.lora_A[LORA_ADAPTER].weight, layer.lora_B[LORA_ADAPTER].weight
         bound = a.shape[1] ** -0.5
-        full = torch.empty(a.shape).uniform_(-bound, bound, generator=g)
-        local, start = a, 0
-        if isinstance(a, DTensor):
-            local = a.to_local()
-            start = min(a.device_mesh.get_local_rank() * -(-a.shape[0] // a.device_mesh.size()), a.shape[0])
-        local.copy_(full[start : start + local.shape[0]])
-        (b.to_local() if isinstance(b, DTensor) else b).zero_()
+        copy_own_rows(a, torch.empty(a.shape).uniform_(-bound, bound, generator=g))
+        copy_own_rows(b, torch.zeros(b.shape))
+
+
+@torch.no_grad()
+def copy_own_rows(p, full):
+    """Copy a full tensor's value into a parameter, sharded (FSDP2: this rank's dim-0 rows) or not."""
+    from torch.distributed.tensor import DTensor
+
+    local, start = p, 0
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
+    local.copy_(full[start : start + local.shape[0]])
 
 
 @contextlib.contextmanager
