@@ -1,11 +1,13 @@
 """Checkpoints and export.
 
 <output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each rank writes
-its own), rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data position, LR
+its own; with LoRA the adapters and their optimizer state only, the frozen base being actor.model_path's),
+rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data position, LR
 schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a directory named
 step_N is complete, anything else is a save that was killed midway.
 
-save_hf writes a Hugging Face model directory (the end of training, and export_checkpoint for any saved step).
+save_hf writes a Hugging Face model directory (the end of training, and export_checkpoint for any saved step); with
+LoRA its weights are merged (base + scale B A, plain names), and save_adapter writes the adapter alone in PEFT's format.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from models import load_model, reshard
+from models import (
+    LORA_ADAPTER,
+    add_lora,
+    base_name,
+    is_lora_factor,
+    load_model,
+    lora_delta,
+    merged_parameters,
+    reshard,
+)
 from runtime import print0, resolve_path
 
 
@@ -39,7 +50,7 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
         os.makedirs(tmp)
     dist.barrier()
     reshard(model)  # save the DTensor shards, never FSDP2's temporary unsharded root params
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(cfg))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
     rank_state = {
         "python_rng": random.getstate(),
@@ -62,6 +73,13 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
         size = sum(e.stat().st_size for e in os.scandir(final))
         print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
     dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
+
+
+def _state_options(cfg):
+    """With LoRA a checkpoint holds the trainable adapters only: the frozen base never changes (actor.model_path)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=cfg.actor.lora_rank > 0)
 
 
 def list_checkpoints(output_dir):
@@ -123,10 +141,11 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
 
     t0 = time.perf_counter()
     reshard(model)  # load into the DTensor shards the optimizer owns
-    model_state, optim_state = get_state_dict(model, optimizer)
+    options = _state_options(cfg)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)  # each rank reads only its own shards, resharded if the world size changed
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)
     step, epoch, position = saved["step"], saved["epoch"], saved["position"]
@@ -163,7 +182,9 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
     processor) that from_pretrained and vLLM load as is. Collective, and nothing gathers the whole model: weight by
     weight, every rank all-gathers one full tensor and rank 0 appends it to the file, so a rank holds its own shards
     plus one weight at a time. Files split at `max_shard_bytes` (save_pretrained's default, 50 GB) with the same
-    index file; the tensors keep the model's dtype (fp32 master weights)."""
+    index file; the tensors keep the model's dtype (fp32 master weights). A LoRA model is written merged: each adapted
+    weight as base + scale B A, under the plain model's names, no adapter tensors (from_pretrained and vLLM load it as
+    any model)."""
     from torch.distributed.fsdp import FSDPModule
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -171,9 +192,11 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
         reshard(model)  # the DTensor shards, never FSDP2's temporary unsharded root params
     tensors, seen = {}, set()
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the parameters themselves, not copies
-        if id(t) not in seen:  # a tied weight once, under its first name (3B: embed_tokens, not lm_head)
+        # a tied weight once, under its first name (3B: embed_tokens, not lm_head); LoRA factors: merged in below
+        if id(t) not in seen and not is_lora_factor(name):
             seen.add(id(t))
-            tensors[name] = t
+            tensors[base_name(name)] = t
+    merge = {name: layer for name, _, layer in merged_parameters(model) if layer is not None}  # LoRA-adapted weights
     # the names save_pretrained writes (`model.language_model.layers.*` back to `model.layers.*`): checkpoint -> ours
     names = revert_weight_conversion(model, {name: name for name in tensors})
     files, size = [[]], 0
@@ -198,7 +221,8 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
         model.generation_config.save_pretrained(out_dir)
         processor.save_pretrained(out_dir)
     for filename, keys in zip(filenames, files):
-        _write_safetensors(os.path.join(out_dir, filename), [(key, tensors[names[key]]) for key in keys], rank)
+        items = [(key, tensors[names[key]], merge.get(names[key])) for key in keys]
+        _write_safetensors(os.path.join(out_dir, filename), items, rank)
     if rank == 0 and len(files) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                  "weight_map": {key: fn for fn, keys in zip(filenames, files) for key in keys}}  # fmt: skip
@@ -207,10 +231,30 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
     dist.barrier()
 
 
+def save_adapter(model, out_dir):
+    """Write the LoRA adapter alone as PEFT writes one (adapter_config.json, and adapter_model.safetensors with PEFT's
+    names, `base_model.model.<module>.lora_A.weight`), so peft.PeftModel.from_pretrained(base model, out_dir) loads
+    it. Collective: every rank all-gathers the adapters, rank 0 writes."""
+    import copy
+
+    reshard(model)
+    items = [(f"base_model.model.{name.replace(f'.{LORA_ADAPTER}.', '.')}", p, None)
+             for name, p in model.named_parameters() if is_lora_factor(name)]  # fmt: skip
+    rank = dist.get_rank()
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        config = copy.copy(model.peft_config[LORA_ADAPTER])
+        config.inference_mode = True  # as PEFT saves it: loaded for inference unless asked otherwise
+        config.save_pretrained(out_dir)
+    _write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), items, rank)
+    dist.barrier()
+
+
 @torch.no_grad()
 def _write_safetensors(path, items, rank):
-    """Collective: write [(name, tensor)] as one safetensors file without holding more than one full tensor. Every
-    rank all-gathers each tensor in turn (full_tensor(), in the same order everywhere) and rank 0 appends its bytes.
+    """Collective: write [(name, tensor, LoRA layer or None)] as one safetensors file without holding more than one
+    full tensor (a LoRA layer's weight is written merged, + lora_delta). Every rank all-gathers each tensor in turn
+    (full_tensor(), in the same order everywhere) and rank 0 appends its bytes.
     The layout: the header's length (8 bytes, little-endian), the JSON header (dtype, shape and byte range of each
     tensor, padded with spaces to a multiple of 8), then the tensors' bytes back to back."""
     import struct
@@ -221,7 +265,7 @@ def _write_safetensors(path, items, rank):
     try:
         if rank == 0:
             header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for key, t in items:
+            for key, t, _ in items:
                 nbytes = t.numel() * t.element_size()
                 header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                                "data_offsets": [offset, offset + nbytes]}  # fmt: skip
@@ -229,8 +273,10 @@ def _write_safetensors(path, items, rank):
             blob = json.dumps(header, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)
             f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, t in items:
+        for _, t, lora in items:
             full = t.full_tensor() if isinstance(t, DTensor) else t
+            if lora is not None:
+                full = full + lora_delta(lora)
             if rank == 0:
                 f.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del full
@@ -244,7 +290,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     number of ranks that wrote it. The model is built from the checkpoint's own config (actor.model_path, or
     `model_path` if it moved) and filled with the checkpoint's weights; save_hf then writes the same files as at the
     end of training (safetensors in the original naming, the processor with the run's pixel range). The base
-    model's weights are never read: one copy of the model in memory, the checkpoint's."""
+    model's weights are never read: one copy of the model in memory, the checkpoint's. (A LoRA checkpoint holds the
+    adapters only: then the base model is read, and the export is it with the adapters merged.)"""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoProcessor
 
@@ -255,8 +302,16 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         cfg = json.load(f)["config"]
     model_path = model_path or resolve_path(cfg["actor"]["model_path"])
-    # the structure only, then one fp32 copy of the weights, uninitialised until the checkpoint fills it below
-    model = load_model(model_path, torch.device("cpu"), "sdpa", meta=True).to_empty(device="cpu")
+    lora = cfg["actor"].get("lora_rank", 0) > 0
+    if lora:  # the checkpoint holds the adapters: the base model's weights, with them on top
+        from types import SimpleNamespace
+
+        from models import lora_config
+
+        model = load_model(model_path, torch.device("cpu"), "sdpa")
+        add_lora(model, lora_config(SimpleNamespace(**{**cfg["actor"], "model_path": model_path})))
+    else:  # the structure only, then one fp32 copy of the weights, uninitialised until the checkpoint fills it below
+        model = load_model(model_path, torch.device("cpu"), "sdpa", meta=True).to_empty(device="cpu")
     processor = AutoProcessor.from_pretrained(model_path)
     set_pixel_range(processor, cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])  # as PromptDataset did in training
 
@@ -265,9 +320,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     try:
         # Only the model's entries are read (the optimizer's stay on disk); DCP loads in place into these tensors and
         # fails on any key the checkpoint lacks, so a model that does not match the checkpoint cannot be half-loaded.
-        state = {"model": model.state_dict()}
+        state = {"model": {k: v for k, v in model.state_dict().items() if not lora or is_lora_factor(k)}}
         dcp.load(state, checkpoint_id=checkpoint)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not lora)
         save_hf(model, processor, out_dir)
     finally:
         dist.destroy_process_group()

@@ -5,7 +5,10 @@
   safetensors, so no rank ever holds the whole model; root_forward / reshard: the two FSDP2 quirks the loop has to
   work around. load_model alone is from_pretrained, for tests and benches.
 - load_policy_and_reference: the trainable policy (fp32 master weights) and the frozen reference (compute dtype),
-  ready for the loop.
+  ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters and the reference is the policy
+  itself with its adapters switched off (adapters_disabled), so no second model is loaded.
+- merged_parameters / lora_delta: the weights as a plain model names them, LoRA merged in (base + scale B A), for the
+  weight sync and the export.
 - sdpa_packed and packed_position_ids: attention and mRoPE positions that keep a packed row's sequences apart.
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
@@ -16,8 +19,10 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 
 import torch
 
@@ -469,8 +474,10 @@ def load_weights(model, path, device):
     for file in _safetensors_files(path):
         with safe_open(file, "pt") as f:
             where.update({rename_source_key(key, model._weight_conversions, [])[0]: (file, key) for key in f.keys()})
-    params = dict(model.named_parameters())  # tied weights once: 3B's lm_head is embed_tokens, not in its files
-    missing = [name for name in params if name not in where]
+    # tied weights once (3B's lm_head is embed_tokens, not in its files); LoRA factors are not in the files either:
+    # init_lora fills them. A LoRA-wrapped layer's weight is its base_layer's (PEFT's name), the file's plain one.
+    params = {name: p for name, p in model.named_parameters() if not is_lora_factor(name)}
+    missing = [base_name(name) for name in params if base_name(name) not in where]
     if missing:
         raise ValueError(
             f"{path}: the safetensors lack {len(missing)} of the model's tensors: {', '.join(missing[:5])}"
@@ -482,7 +489,7 @@ def load_weights(model, path, device):
                 assert p.placements == (Shard(0),), f"{name}: FSDP2 placement {p.placements}, expected (Shard(0),)"
                 local = p.to_local()
                 start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
-            file, key = where[name]
+            file, key = where[base_name(name)]
             with safe_open(file, "pt") as f:
                 rows = f.get_slice(key)
                 if tuple(rows.get_shape()) != tuple(p.shape):
@@ -509,14 +516,21 @@ def _recompute_buffers(model, device):
 
 
 def load_sharded(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, offload=False,
-                 freeze_vision_tower=False):  # fmt: skip
+                 freeze_vision_tower=False, lora=None):  # fmt: skip
     """The model in `path`, sharded with FSDP2, without any rank ever holding all of it: built on the meta device,
-    wrapped by apply_fsdp (only this rank's shards allocated), then filled from the safetensors (load_weights)."""
+    wrapped by apply_fsdp (only this rank's shards allocated), then filled from the safetensors (load_weights).
+    `lora` (a peft LoraConfig, lora_config()): adapters injected before sharding, so each lives in its layer's FSDP2
+    unit and the units stay those of full fine-tuning; everything else frozen; the adapters initialised by init_lora."""
     model = load_model(path, device, attn_implementation, gradient_checkpointing, dtype, meta=True)
     if freeze_vision_tower:
         model.model.visual.requires_grad_(False)
+    if lora is not None:
+        add_lora(model, lora)
     apply_fsdp(model, device, offload)
-    return load_weights(model, path, device)
+    load_weights(model, path, device)
+    if lora is not None:
+        init_lora(model)
+    return model
 
 
 def root_forward(model, pad_id):
@@ -541,14 +555,21 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
     """The trainable policy (fp32 master weights) and, when the KL needs one, the frozen reference (the same
     checkpoint, in the compute dtype: bf16 on GPU, fp32 on CPU; it is never updated, so it needs no fp32 copy), both
     sharded and past their first root forward. `actor` is the config's actor section. Each rank holds its shards of
-    the two models and, while loading, one slice of a weight at a time (load_sharded)."""
+    the two models and, while loading, one slice of a weight at a time (load_sharded).
+
+    With LoRA (actor.lora_rank > 0) the reference is the policy itself: its frozen base is the initial policy, so the
+    reference log-probs are the policy's with the adapters switched off (adapters_disabled), and no second model is
+    loaded. The caller tells the two apart by identity (`ref_model is model`)."""
+    lora = lora_config(actor) if actor.lora_rank > 0 else None
     model = load_sharded(
         actor.model_path, device, actor.attn_implementation, actor.gradient_checkpointing,
-        freeze_vision_tower=actor.freeze_vision_tower,
+        freeze_vision_tower=actor.freeze_vision_tower, lora=lora,
     )  # fmt: skip
     root_forward(model, pad_id)
     ref_model = None
-    if with_reference:
+    if with_reference and lora is not None:
+        ref_model = model
+    elif with_reference:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         ref_model = load_sharded(
             actor.model_path, device, actor.attn_implementation, dtype=dtype, offload=actor.ref_offload
@@ -556,3 +577,124 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
         ref_model.requires_grad_(False).eval()
         root_forward(ref_model, pad_id)
     return model, ref_model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LoRA (actor.lora_rank > 0) with PEFT. The adapters go into the model in place (inject_adapter_in_model, no PeftModel
+# wrapper), so the model keeps its class, config and module paths, and FSDP2 wraps the same units as without them.
+# PEFT renames a wrapped linear's weight `q_proj.weight` -> `q_proj.base_layer.weight` and adds
+# `q_proj.lora_A.default.weight` (r, in) and `q_proj.lora_B.default.weight` (out, r); its output is
+# base(x) + scale * B(A(dropout(x))), scale = lora_alpha / lora_rank.
+
+LORA_ADAPTER = "default"  # PEFT's name of the one adapter
+
+
+def lora_target_regex(targets) -> str:
+    """actor.lora_target_modules -> the regex PEFT matches against whole module names. A plain name (`q_proj`) is a
+    module of the language model's decoder layers; `visual.NAME` one of the vision tower (`visual.qkv`): the tower
+    has modules named like the language model's (its MLP's gate_proj/up_proj/down_proj) and stays frozen unless
+    named this way."""
+    text = [re.escape(t) for t in targets if not t.startswith("visual.")]
+    vision = [re.escape(t[len("visual.") :]) for t in targets if t.startswith("visual.")]
+    parts = [rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{'|'.join(text)})"] if text else []
+    parts += [rf"model\.visual\.(?:.*\.)?(?:{'|'.join(vision)})"] if vision else []
+    return "|".join(parts)
+
+
+def lora_config(actor):
+    """The peft LoraConfig of the config's actor section."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=actor.lora_rank, lora_alpha=actor.lora_alpha, lora_dropout=actor.lora_dropout,
+        target_modules=lora_target_regex(actor.lora_target_modules), base_model_name_or_path=actor.model_path,
+    )  # fmt: skip
+
+
+def add_lora(model, config):
+    """Inject the adapters (on the meta device too: init_lora fills them after loading) and freeze all else."""
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, model, adapter_name=LORA_ADAPTER)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_lora_factor(name))
+    return model
+
+
+def is_lora_factor(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """A parameter's name in the plain model: PEFT's `.base_layer` dropped."""
+    return name.replace(".base_layer.", ".")
+
+
+def lora_layers(model) -> dict:
+    """{module name: PEFT LoRA layer} of the model; empty without LoRA."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and LORA_ADAPTER in m.lora_A}
+
+
+@torch.no_grad()
+def init_lora(model, seed=0):
+    """LoRA's initialisation, the same on every rank and in every run: A uniform in +-1/sqrt(in) (PEFT's default,
+    kaiming-uniform with a = sqrt(5)) from one seeded generator walked in module order, B zero, so the adapted
+    model starts as the base. Each rank copies its own rows of the full A (FSDP2's dim-0 shards)."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in lora_layers(model).values():
+        a, b = layer.lora_A[LORA_ADAPTER].weight, layer.lora_B[LORA_ADAPTER].weight
+        bound = a.shape[1] ** -0.5
+        copy_own_rows(a, torch.empty(a.shape).uniform_(-bound, bound, generator=g))
+        copy_own_rows(b, torch.zeros(b.shape))
+
+
+@torch.no_grad()
+def copy_own_rows(p, full):
+    """Copy a full tensor's value into a parameter, sharded (FSDP2: this rank's dim-0 rows) or not."""
+    from torch.distributed.tensor import DTensor
+
+    local, start = p, 0
+    if isinstance(p, DTensor):
+        local = p.to_local()
+        start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
+    local.copy_(full[start : start + local.shape[0]])
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """The model with its LoRA adapters switched off: the frozen base, i.e. the reference policy."""
+    layers = lora_layers(model).values()
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)  # (PEFT also makes the adapters trainable again)
+
+
+def full_tensor(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def lora_delta(layer) -> torch.Tensor:
+    """scale * B @ A of a LoRA layer, the full (out, in) update of its base weight. Collective under FSDP2 (it
+    all-gathers both factors: small, rank x (in + out))."""
+    a, b = full_tensor(layer.lora_A[LORA_ADAPTER].weight), full_tensor(layer.lora_B[LORA_ADAPTER].weight)
+    return (b @ a) * layer.scaling[LORA_ADAPTER]
+
+
+def merged_parameters(model):
+    """[(name, parameter, LoRA layer or None)]: the model's parameters under the plain model's names (PEFT's
+    `.base_layer` dropped, the LoRA factors left out). A LoRA-adapted weight comes with its layer: its value is the
+    parameter plus lora_delta(layer). Without LoRA: named_parameters() with None."""
+    layers = lora_layers(model)
+    out = []
+    for name, p in model.named_parameters():
+        if is_lora_factor(name):
+            continue
+        module, _, leaf = name.rpartition(".")
+        layer = layers.get(module.removesuffix(".base_layer")) if leaf == "weight" else None
+        out.append((base_name(name), p, layer))
+    return out

@@ -273,11 +273,13 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
 
 
 # Messages vLLM repeats that say nothing to a user of this trainer, by logger. At every weight sync its layer-wise
-# reload warns about layers that received nothing to reload (they keep the tensors they hold; the log-probs after a
-# sync agree with the trainer's, tests/test_vllm.py); on CPU it warns at every torch.set_num_threads call after its
-# thread binding (the call is skipped, as intended).
+# reload warns about layers that received nothing to reload, and with LoRA (which resends only what can change)
+# lists those weights (they keep the tensors they hold; the log-probs after a sync agree with the trainer's,
+# tests/test_vllm.py); on CPU it warns at every torch.set_num_threads call after its thread binding (the call is
+# skipped, as intended).
 VLLM_NOISE = {
     "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
+    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded",
     "vllm.v1.worker.cpu_worker": "torch.set_num_threads",
 }
 
@@ -365,6 +367,7 @@ class VLLMEngine:
         self.llm.llm_engine.engine_core._finalizer.detach()
         self.tp_group = dist.new_subgroups(group_size=self.tp)[0] if self.tp > 1 else None
         self.asleep = set()  # the sleeping parts: "weights", "kv_cache"
+        self.synced = False  # until the first sync the engine holds the checkpoint's weights
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
         self.sleep()  # give the memory back until the first rollout, so the trainer can load its model
 
@@ -393,20 +396,35 @@ class VLLMEngine:
     @torch.no_grad()
     def sync_weights(self, model):
         """Stream the trainer's parameters into vLLM one tensor at a time: all-gather one FSDP2 shard, cast, load,
-        drop it. Never a full state dict on one rank. Every rank must call this (each all-gather is collective)."""
+        drop it. Never a full state dict on one rank. Every rank must call this (each all-gather is collective).
+
+        With LoRA vLLM gets the merged weights (base + scale B A) under the plain names, and after the first sync
+        only the modules whose weights can change. vLLM's layer-wise reload (model_loader/reload/layerwise.py) keeps a
+        layer of which no tensor comes, but rebuilds one of which only some come from those alone, the rest
+        uninitialised; and it fuses q/k/v into one layer and gate/up into another. So every parameter of the
+        attention or MLP that holds an adapted module is resent (a lone q_proj adapter resends k, v, o and the
+        biases too). A level-2 sleep discards the engine's weights: then every one, every time."""
         self._wake(["weights"])
         t0 = time.perf_counter()
+        params = models.merged_parameters(model)  # parameters only: see the class docstring on buffers
+        if self.synced and self.sleep_level != 2 and any(layer is not None for _, _, layer in params):
+            changed = {name.rsplit(".", 2)[0] for name, p, layer in params if layer is not None or p.requires_grad}
+            params = [x for x in params if x[0].rsplit(".", 2)[0] in changed]
 
         def weights():
-            for name, param in model.named_parameters():  # parameters only: see the class docstring on buffers
-                # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
-                shard = param.detach().to(self.dtype)
-                full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+            for name, param, lora in params:
+                if lora is None:
+                    # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
+                    shard = param.detach().to(self.dtype)
+                    full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+                else:  # merge in the master dtype, then cast
+                    full = (models.full_tensor(param.detach()) + models.lora_delta(lora)).to(self.dtype)
                 yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), full
 
         # With an iterator reload_weights re-runs vLLM's post-load processing (CPU repacks weights); WITHOUT one it
         # would reload the checkpoint from disk and silently drop the sync.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.synced = True
         # Cached KV and vision-encoder outputs belong to the old weights. reload_weights empties the runner's encoder
         # cache but not the scheduler's record of it, which then skips re-encoding ("Encoder cache miss"): reset both.
         self.llm.reset_prefix_cache()

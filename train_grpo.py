@@ -7,7 +7,8 @@ The algorithm, as the default config (configs/geo3k.yaml) runs it:
     every grading call bounded in time (reward.py).
  4. Advantage: GRPO, (score - group mean) / (group std + 1e-6), the same for every token of a response.
  5. Loss: PPO clipped ratio with clip 0.2 low / 0.3 high and dual clip 3.0 for negative advantages,
-    plus 1e-2 x low-variance KL (k3) to the frozen initial policy, as a loss term.
+    plus 1e-2 x low-variance KL (k3) to the frozen initial policy, as a loss term (with LoRA, actor.lora_rank > 0:
+    the policy with its adapters switched off, no second model).
  6. Aggregation: token-mean over ALL response tokens of an optimizer step, exact across micro-batches and ranks.
  7. Update: AdamW (lr 1e-6, wd 1e-2), grad clip 1.0, a step with a non-finite grad norm is skipped and counted;
     `actor.global_batch_size` prompts per optimizer step (rollout batch 512 -> 4 optimizer steps per step).
@@ -30,6 +31,7 @@ backends), runtime.py (distributed setup, the start-up banner, signals), memory_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -47,12 +49,13 @@ import torch.distributed as dist
 
 import rollout
 from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
-from checkpoint import find_resume_checkpoint, load_checkpoint, save_checkpoint, save_hf
+from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
 from models import (
     OWN_PACKED_ATTENTION,
     PACKED_ATTENTION,
+    adapters_disabled,
     forward_logprobs,
     load_policy_and_reference,
     reshard,
@@ -136,6 +139,14 @@ class ActorConfig:
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
     attn_implementation: str = "auto"  # auto = varlen_packed (torch's flash varlen) on CUDA, sdpa_packed elsewhere
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (PEFT) on a frozen base, the reference; 0 = full FT
+    lora_alpha: int = 16  # LoRA scale = lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input, in update forwards only (eval forwards have none)
+    # modules given adapters: plain names are the language model's decoder-layer projections; `visual.NAME` adapts
+    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
 
 
 @dataclass
@@ -350,6 +361,13 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} must divide the {world_size} ranks")
     if r.tensor_parallel_size > 1 and r.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs rollout.engine=vllm")
+    if a.lora_rank < 0 or (a.lora_rank and (a.lora_alpha <= 0 or not a.lora_target_modules)):
+        raise ConfigError(
+            f"actor.lora_rank={a.lora_rank} (0 = full fine-tuning) with lora_alpha={a.lora_alpha} > 0 and "
+            f"lora_target_modules={a.lora_target_modules} not empty"
+        )
+    if not 0 <= a.lora_dropout < 1:
+        raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
     if r.sleep_level not in (0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
@@ -635,7 +653,9 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
 
 def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old):
     """No-grad forwards over the rollout batch: per-sample log-probs (1-D, response length) under the policy that
-    sampled (old, or None) and under the reference (or None)."""
+    sampled (old, or None) and under the reference (or None). With LoRA the reference is the policy itself
+    (`ref_model is model`) with its adapters switched off. The caller has the model in eval mode: no dropout, so
+    both are deterministic (lora_dropout acts only in update_policy's forwards, as dropout does in PPO trainers)."""
     old, ref = [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
         for mb, _ in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):  # a re-run writes again
@@ -645,7 +665,10 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
             lengths = mask.sum(1).long().tolist()
             for out, m in ((old, model if need_old else None), (ref, ref_model)):
                 if m is not None:
-                    logp = forward_logprobs(m, batch_inputs, response_ids, cfg.rollout.temperature)[0].cpu()  # (B, T)
+                    off = adapters_disabled(m) if out is ref and m is model else contextlib.nullcontext()
+                    with off:  # (the reference under LoRA: the policy's frozen base)
+                        logp = forward_logprobs(m, batch_inputs, response_ids, cfg.rollout.temperature)[0]  # (B, T)
+                    logp = logp.cpu()
                     for row, i in enumerate(mb):
                         out[i] = logp[row, : lengths[row]]
     reshard(model, ref_model)
@@ -1142,7 +1165,9 @@ def main(argv=None):
         name = signal.Signals(stop_signum).name
         print0(f"stopped by {name} after step {step}: {saved}; exit code {128 + stop_signum}")
     else:
-        save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))
+        save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))  # with LoRA: merged, plain names
+        if a.lora_rank:
+            save_adapter(model, os.path.join(cfg.trainer.output_dir, "adapter"))  # PEFT's adapter format
         print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     logger.close()

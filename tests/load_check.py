@@ -25,6 +25,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import checkpoint  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
+import train_grpo  # noqa: E402
 
 
 def mismatches(model, reference):
@@ -41,6 +42,14 @@ def mismatches(model, reference):
 
 def packed_batch(processor):
     """One prompt with an image and one without, responses of uneven lengths, packed into one row."""
+    prompts, responses = prompts_and_responses(processor)
+    inputs, response_ids, _ = rollout.pack(
+        prompts, responses, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    )
+    return inputs, response_ids
+
+
+def prompts_and_responses(processor):
     prompts = []
     for i in range(2):
         img = Image.new("RGB", (84, 56), "white")
@@ -53,16 +62,70 @@ def packed_batch(processor):
         prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), []))
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 4)]
-    inputs, response_ids, _ = rollout.pack(
-        prompts, responses, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    )
-    return inputs, response_ids
+    return prompts, responses
 
 
 def read_export(out_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(out_dir, dtype=torch.float32)
+
+
+def lora_facts(tiny, base, processor, out_dir):
+    """LoRA (issue 15): what is trainable; the reference log-probs (compute_old_and_ref_logprobs, the policy with its
+    adapters off) against those of `base`, the same checkpoint loaded separately; the merged export against the
+    adapted policy; the adapter directory as PEFT loads and merges it, against the merged export."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    rank, world, cpu = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
+    cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", "actor.lora_rank=8", "actor.lora_alpha=32"])
+    pad_id = processor.tokenizer.pad_token_id
+    policy, ref = models.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
+    facts = {"lora/ref_is_policy": ref is policy}
+    trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not models.is_lora_factor(n)]
+    facts["lora/trainable_params"] = sum(p.numel() for _, p in trainable)
+    prompts, responses = prompts_and_responses(processor)
+    samples = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
+    ids = (pad_id, policy.config.image_token_id)
+    policy.eval()
+    base_logp, _ = train_grpo.compute_old_and_ref_logprobs(base, None, prompts, samples, cfg, ids, True)
+    old, _ = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, samples, cfg, ids, True)
+    facts["lora/initial_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))
+    g = torch.Generator().manual_seed(5)  # B = 0 makes the adapters a no-op: give them a value, the same on all ranks
+    for layer in models.lora_layers(policy).values():
+        b = layer.lora_B[models.LORA_ADAPTER].weight
+        models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
+    old, ref = train_grpo.compute_old_and_ref_logprobs(policy, ref, prompts, samples, cfg, ids, True)
+    facts["lora/ref_vs_base_max_abs_diff"] = max((r - b).abs().max().item() for r, b in zip(ref, base_logp))
+    facts["lora/adapted_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))
+    facts["lora/trainable_after_ref"] = [n for n, p in policy.named_parameters() if p.requires_grad] == [
+        n for n, _ in trainable
+    ]
+
+    export, adapter = os.path.join(out_dir, f"lora_hf_{world}"), os.path.join(out_dir, f"lora_adapter_{world}")
+    checkpoint.save_hf(policy, processor, export)
+    checkpoint.save_adapter(policy, adapter)
+    inputs, response_ids = packed_batch(processor)
+    with torch.no_grad():
+        adapted, _ = models.forward_logprobs(policy, dict(inputs), response_ids, 0.9)  # collective
+    policy.reshard()
+    if rank == 0:
+        names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
+        facts["lora/export_names_equal_base"] = names(export) == names(tiny)
+        merged = models.load_model(export, cpu, "sdpa")  # from_pretrained, with the packed attention
+        with torch.no_grad():
+            logp, _ = models.forward_logprobs(merged, dict(inputs), response_ids, 0.9)
+        facts["lora/export_vs_adapted_max_abs_diff"] = (logp - adapted).abs().max().item()
+        peft_model = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny), adapter)
+        by_peft = peft_model.merge_and_unload().state_dict()
+        mine = merged.state_dict()
+        facts["lora/peft_merge_names_equal"] = sorted(by_peft) == sorted(mine)
+        facts["lora/peft_merge_max_abs_diff"] = max((by_peft[k] - mine[k]).abs().max().item() for k in mine)
+        facts["lora/adapter_files"] = sorted(os.listdir(adapter))
+    return facts
 
 
 def main():
@@ -103,13 +166,14 @@ def main():
     facts["packed_logp_nonzero"] = int((logp_new != 0).sum())
 
     actor = SimpleNamespace(model_path=tiny, attn_implementation="auto", gradient_checkpointing=True,
-                            freeze_vision_tower=True, ref_offload=False)  # fmt: skip
+                            freeze_vision_tower=True, ref_offload=False, lora_rank=0)  # fmt: skip
     policy, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
     facts["policy_dtypes"] = sorted({str(p.dtype) for p in policy.parameters()})
     facts["policy_trainable"] = {part: sorted({p.requires_grad for n, p in policy.named_parameters() if part in n})
                                  for part in ("visual", "language_model", "lm_head")}  # fmt: skip
     facts["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
     facts["ref_trainable"] = [n for n, p in ref.named_parameters() if p.requires_grad]
+    facts.update(lora_facts(tiny, new, processor, out_dir))
     if rank == 0:
         with open(os.path.join(out_dir, "facts.json"), "w") as f:
             json.dump(facts, f, indent=1)
