@@ -32,6 +32,7 @@ FIT_SHARE = 0.95  # a phase fits when it needs at most this share of the GPU; th
 RUNTIME = 2 * GIB  # CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep (estimate)
 HEAD_CHUNK = 512  # tokens per LM-head chunk (models.chunked_logprobs)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0  # the plan's node when no GPU is here and the config names none
+LORA_LEVER_RANK = 8  # the adapter rank a plan that does not fit suggests
 
 
 class PlanError(ValueError):
@@ -230,6 +231,47 @@ def count_params(s: ModelShape) -> dict[str, int]:
             "total": root + vision + sum(layers)}  # fmt: skip
 
 
+def _decoder_linears(s: ModelShape) -> list[dict[str, tuple[int, int]]]:
+    """Each decoder layer's nn.Linear modules by name: (in, out) features."""
+    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
+    mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    gated = 2 if s.family == "qwen3_5" else 1  # Qwen3.5's q_proj also gives the attention output's gate
+    full = {"q_proj": (h, gated * q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
+    linear = {"in_proj_qkv": (h, 2 * keys + values), "in_proj_z": (h, values), "in_proj_b": (h, s.linear_value_heads),
+              "in_proj_a": (h, s.linear_value_heads), "out_proj": (values, h)}  # fmt: skip
+    return [{**linear, **mlp}] * s.linear_layers + [{**full, **mlp}] * (s.layers - s.linear_layers)
+
+
+def _tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:
+    """The vision tower's modules an adapter can go on: (name, (in, out)) for the patch embedding (a Conv3d, whose LoRA
+    factors are a Conv3d of its kernel to rank and a 1x1x1 one from rank), every block's linears and the mergers'."""
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    if s.family == "qwen2_5_vl":
+        mlp, merger = {"gate_proj": (hv, iv), "up_proj": (hv, iv), "down_proj": (iv, hv)}, {"0": (merged, merged)}
+        merger["2"] = (merged, s.hidden)  # (its nn.Sequential's first and third modules)
+    else:
+        mlp, merger = {"linear_fc1": (hv, iv), "linear_fc2": (iv, hv)}, {"linear_fc1": (merged, merged)}
+        merger["linear_fc2"] = (merged, s.hidden)
+    block = {"qkv": (hv, 3 * hv), "proj": (hv, hv), **mlp}
+    patch_embed = ("proj", (s.in_channels * s.temporal_patch * s.patch**2, hv))
+    blocks = [kv for _ in range(s.vision_depth) for kv in block.items()]
+    return [patch_embed, *blocks, *list(merger.items()) * (1 + s.deepstack)]
+
+
+def lora_params(s: ModelShape, rank: int, targets) -> dict[str, int]:
+    """Exact parameter counts of LoRA adapters of `rank` on the modules actor.lora_target_modules names (models.py
+    reads them the same way: a plain name is a decoder-layer projection, `visual.NAME` one of the vision tower's,
+    `lm_head` the output head); an adapter on an (in, out) Linear has rank x (in + out). Per FSDP2 unit: the
+    largest decoder layer's, the vision tower's, the root's (the head), and all."""
+    text = {t.split(".")[-1] for t in targets if not t.startswith("visual.") and t != "lm_head"}
+    vision = {t.split(".")[-1] for t in targets if t.startswith("visual.")}
+    layers = [rank * sum(a + b for name, (a, b) in layer.items() if name in text) for layer in _decoder_linears(s)]
+    tower = rank * sum(a + b for name, (a, b) in _tower_linears(s) if name in vision)
+    head = rank * (s.hidden + s.vocab) if "lm_head" in targets else 0
+    return {"layer": max(layers), "vision": tower, "root": head, "total": sum(layers) + tower + head}
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The plan: pure arithmetic on the model's shape and the run's settings, in bytes.
 
@@ -255,6 +297,8 @@ class Settings:
     seq_len: int  # max_prompt_length + max_response_length
     response_len: int
     hf_rows: int  # sequences one HF generate call decodes at once
+    lora_rank: int = 0  # actor.lora_rank: > 0 trains adapters only, and the reference is the base itself
+    lora_targets: tuple[str, ...] = ()  # actor.lora_target_modules
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -273,13 +317,20 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     """Bytes per GPU in each phase of a step, the parts of each phase in order, and the host bytes per rank at load."""
     n = count_params(s)
     kv = s.kv_heads * s.dim
-    trainable = n["total"] - (n["vision"] if x.freeze_vision else 0)
+    # What trains, per FSDP2 unit: every parameter (but a frozen tower's), or with LoRA the adapters alone, beside the
+    # frozen base (kept in fp32 as the policy's weights are); the reference is then that base with the adapters off
+    tower = 0 if x.freeze_vision else n["vision"]
+    trains = {"layer": n["layer"], "vision": tower, "root": n["root"], "total": n["total"] - n["vision"] + tower}
+    if x.lora_rank:
+        trains = lora_params(s, x.lora_rank, x.lora_targets)
+    adapters, frozen_tower = trains["total"] if x.lora_rank else 0, trains["vision"] == 0
+    reference = x.reference and not x.lora_rank  # a second model to hold
     with_vllm = x.engine == "vllm"
     states = {
-        "params": 4 * n["total"] / x.world,  # fp32 master weights
-        "grads": 4 * trainable / x.world,  # fp32, freed by zero_grad(set_to_none) after each optimizer step
-        "adam": 8 * trainable / x.world,  # exp_avg and exp_avg_sq, fp32
-        "reference": 0 if x.ref_offload or not x.reference else 2 * n["total"] / x.world,  # bf16 shards
+        "params": 4 * (n["total"] + adapters) / x.world,  # fp32 master weights
+        "grads": 4 * trains["total"] / x.world,  # fp32, freed by zero_grad(set_to_none) after each optimizer step
+        "adam": 8 * trains["total"] / x.world,  # exp_avg and exp_avg_sq, fp32
+        "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
     }
     # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
@@ -295,15 +346,16 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     t, patches = x.train_tokens, x.train_tokens * s.merge**2
     lm_kept, lm_extra = layer_elems(s.hidden, kv, s.intermediate, x.checkpointing, rope=2 * s.dim)
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
-    vis_saved = 0 if x.freeze_vision else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
+    vis_saved = 0 if frozen_tower else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
     lm_saved = 2 * t * lm_kept * s.layers
     # Gradients in flight: the root's (bf16) live through the whole backward, beside the bf16 gradients of the unit
     # whose backward runs and the fp32 copy FSDP2 reduce-scatters them in (MixedPrecisionPolicy reduce_dtype).
     # The peak is at the top of the LM's backward (every layer's saved activations, and the head or one layer's
     # backward) or later at the vision tower's (the LM's activations are freed by then): (grads, activations).
-    top = (2 * n["root"] + 6 * n["layer"], lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))
-    tower = (2 * n["root"] + 6 * n["vision"], vis_saved + 2 * patches * vis_extra)
-    unit_grads, activations = top if x.freeze_vision or sum(top) >= sum(tower) else tower
+    # (With LoRA only the adapters have gradients: a frozen base still passes them down, so activations are the same.)
+    top = (2 * trains["root"] + 6 * trains["layer"], lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))
+    bottom = (2 * trains["root"] + 6 * trains["vision"], vis_saved + 2 * patches * vis_extra)
+    unit_grads, activations = top if frozen_tower or sum(top) >= sum(bottom) else bottom
     # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
@@ -327,7 +379,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "log-probs": {
             **states,
             "grads": 0,
-            "gathered": gathered + (2 * n["root"] if x.reference else 0),
+            "gathered": gathered + (2 * n["root"] if reference else 0),
             "activations": nograd,
             **never_sleeps,
             "runtime": RUNTIME,
@@ -348,8 +400,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy (pinned, bf16, its
     # TP slice), which the engine made before the trainer's model loads
     host = {
-        "policy": 4 * n["total"] / x.world,
-        "reference": 2 * n["total"] / x.world if x.reference else 0,
+        "policy": 4 * (n["total"] + adapters) / x.world,
+        "reference": 2 * n["total"] / x.world if reference else 0,
         "read buffer": 2 * s.vocab * s.hidden,
         "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,
     }
@@ -399,8 +451,11 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
             out.append(("vllm awake", f"lower rollout.gpu_memory_utilization from {x.vllm_util} to {best / 100}"))
     if x.reference and not x.ref_offload and fits(ref_offload=True):
         out.append(("reference", "set actor.ref_offload=true (the reference's shards in host memory)"))
-    if not x.freeze_vision and fits(freeze_vision=True):
+    if not x.freeze_vision and not x.lora_rank and fits(freeze_vision=True):
         out.append(("adam", "set actor.freeze_vision_tower=true"))
+    if not x.lora_rank and x.lora_targets and fits(lora_rank=LORA_LEVER_RANK):
+        out.append(("adam", f"train LoRA adapters: actor.lora_rank={LORA_LEVER_RANK} (no reference model, AdamW "
+                            "moments for the adapters only)"))  # fmt: skip
     if not x.checkpointing and fits(checkpointing=True):
         out.append(("activations", "set actor.gradient_checkpointing=true"))
     if x.engine == "vllm" and x.sleep_level == 0 and fits(sleep_level=1):
@@ -485,6 +540,8 @@ def plan_memory(cfg, world: int) -> Plan:
         seq_len=seq_len,
         response_len=d.max_response_length,
         hf_rows=max(d.rollout_batch_size // world * r.n, d.val_batch_size * r.val_n),
+        lora_rank=a.lora_rank,
+        lora_targets=tuple(a.lora_target_modules),
     )
     keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
     # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
@@ -503,6 +560,9 @@ def format_plan(plan: Plan) -> str:
     phases, host, n = numbers["phases"], numbers["host"], numbers["params"]
     states = ("params", "grads", "adam", "reference")
     size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
+    if x.lora_rank:
+        adapters = lora_params(plan.shape, x.lora_rank, x.lora_targets)["total"]
+        size += f", LoRA rank {x.lora_rank}: {adapters / 1e6:.1f} M trainable"
     lines = [
         f"memory plan, GiB per GPU: {plan.model} ({size} parameters), world {x.world}, "
         f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
@@ -567,7 +627,7 @@ def plan_problem(plan: Plan) -> str | None:
         "activations": plan.keys["train_tokens" if phase == "update" else "nograd_tokens"],
         "vllm awake": "rollout.gpu_memory_utilization",
         "reference": "actor.ref_offload=true",
-        "adam": "more GPUs, or actor.freeze_vision_tower=true",
+        "adam": "more GPUs, actor.freeze_vision_tower=true or actor.lora_rank",
         "logits": "rollout.engine=vllm",
     }
     named = [f"{shrinks[k]} ({k})" for k, _ in sorted(parts.items(), key=lambda kv: -kv[1]) if k in shrinks]

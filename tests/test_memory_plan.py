@@ -83,6 +83,37 @@ def test_count_equals_transformers_for_the_known_sizes(name):
     assert shape_from_config(transformers_config(s).to_dict()) == s
 
 
+DEFAULT_TARGETS = train_grpo.ActorConfig().lora_target_modules
+
+
+@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3.5-9B"])
+@pytest.mark.parametrize(
+    "targets",
+    [DEFAULT_TARGETS, ["q_proj", "in_proj_z", "visual.proj", "visual.up_proj", "visual.linear_fc1", "lm_head"]],
+)
+def test_lora_count_equals_the_adapters_peft_injects(name, targets):
+    """Guards against a LoRA plan that counts the wrong modules (the tower's gate/up/down_proj, which share the
+    decoder's names, only when `visual.` names them; the patch embedding's Conv3d, also named proj; Qwen3.5's
+    linear-attention projections; the deepstack mergers' linear_fc1) or the wrong widths (Qwen3.5's gated q_proj):
+    the adapters PEFT puts on transformers' model through models.lora_config have exactly the counted parameters,
+    per FSDP2 unit and in total."""
+    from transformers import AutoModelForImageTextToText
+
+    import models
+
+    s = KNOWN_SHAPES[name]
+    actor = train_grpo.ActorConfig(model_path=name, lora_rank=8, lora_target_modules=targets)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(transformers_config(s))
+    models.add_lora(model, models.lora_config(actor))
+    adapters = lambda module: sum(p.numel() for n, p in module.named_parameters() if models.is_lora_factor(n))  # noqa: E731
+    counts = memory_plan.lora_params(s, 8, targets)
+    assert counts["total"] == adapters(model) > 0
+    assert counts["layer"] == max(adapters(layer) for layer in model.model.language_model.layers)
+    assert counts["vision"] == adapters(model.model.visual)
+    assert counts["root"] == adapters(model.lm_head)
+
+
 # The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
 VISION_BLOCK = 2 * 1280 + (1280 * 3840 + 3840) + (1280 * 1280 + 1280) + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
 VISION_3B = 3 * 2 * 14 * 14 * 1280 + 32 * VISION_BLOCK + 1280 + (5120 * 5120 + 5120) + (5120 * 2048 + 2048)
@@ -248,6 +279,25 @@ def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
     )
 
 
+def test_lora_plan_term_by_term():
+    """Guards against a LoRA plan (issue 15) that still counts the full model's gradients and AdamW moments, or a
+    reference model, or the frozen tower's activations: 7B with rank-8 adapters on the seven projections of each
+    decoder layer, against hand arithmetic; what stays is every phase's other terms."""
+    full = plan_memory(load_config("configs/geo3k.yaml", NODE), 8).numbers["phases"]
+    lora = plan_memory(load_config("configs/geo3k.yaml", NODE + ["actor.lora_rank=8"]), 8).numbers["phases"]
+    h, kv, i = 3584, 512, 18944
+    adapters = 28 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k, v, o, gate, up, down
+    assert adapters == 20_185_088
+    update = lora["update"]
+    assert update["params"] == pytest.approx(4 * (P_7B + adapters) / 8)  # the frozen base stays, in fp32
+    assert update["grads"] == pytest.approx(4 * adapters / 8) and update["adam"] == pytest.approx(8 * adapters / 8)
+    assert update["reference"] == 0 and lora["log-probs"]["gathered"] == full["update"]["gathered"]
+    assert update["grads in flight"] == pytest.approx(6 * adapters / 28)  # one layer's adapters, bf16 + fp32
+    frozen_tower = plan_memory(load_config("configs/geo3k.yaml", NODE + ["actor.freeze_vision_tower=true"]), 8)
+    assert update["activations"] == frozen_tower.numbers["phases"]["update"]["activations"]
+    assert lora["rollout"]["vllm awake"] == full["rollout"]["vllm awake"]
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The dry run and the verdict
 
@@ -306,6 +356,8 @@ def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
         (["rollout.sleep_level=0"], "set rollout.sleep_level=1"),
         (["rollout.engine=hf"], "set rollout.engine=vllm"),  # HF generate keeps fp32 logits of every step
         (["rollout.gpu_memory_utilization=0.05"], "raise it to >= 0.1"),  # vLLM's 7.7 GiB of weights do not fit
+        # 77.1 GiB in the rollout phase, 67.5 with LoRA (no reference, AdamW moments of the adapters only)
+        (["rollout.gpu_memory_utilization=0.77"], "train LoRA adapters: actor.lora_rank=8"),
     ],
 )
 def test_each_lever_is_named(overrides, advice):
