@@ -1,0 +1,146 @@
+"""Model families (issue 14): Qwen2.5-VL, Qwen3-VL and Qwen3.5 through the same loading, packing and shared-prefix
+code, each held to a reference computation on a tiny random model of its own family (real config, processor and
+tokenizer classes, scripts/make_tiny_model.py --family)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import models
+import rollout
+from tests.test_packing import _mixed_batch
+from tests.test_shared_prefix import _groups
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_equals_padded(tiny_family_dir, family):
+    """Guards against a family whose packed row mixes its sequences: attention that crosses sequences (a mask built
+    from Qwen3-VL's positions would override the layout), mRoPE positions of the wrong family (Qwen3-VL's and
+    Qwen3.5's interleaved sections), Qwen3.5's linear-attention state carried from one sequence into the next, and
+    a packed backward that differs from the padded one. The padded batch is the reference."""
+    from transformers import AutoProcessor
+
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    torch.manual_seed(0)
+    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    assert model.config.model_type == family
+    pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
+    prompts, responses = _mixed_batch(processor, image_token_id)
+    padded = rollout.collate(prompts, responses, pad_id, image_token_id)
+    packed = rollout.pack(prompts, responses, image_token_id)
+    results = {}
+    for name, (inputs, response_ids, mask) in (("padded", padded), ("packed", packed)):
+        model.zero_grad(set_to_none=True)
+        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        results[name] = (logp.detach() * mask, ent.detach() * mask, _grads(model))
+    (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results["padded"], results["packed"]
+    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, rtol=1e-5, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and any("visual" in n for n in grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-5, msg=name)
+    print(f"{family}: packed vs padded max |dlogp| {(logp_b - logp_a).abs().max():.1e}, max |dgrad| "
+          f"{max((grads_b[n] - grads_a[n]).abs().max().item() for n in grads_a):.1e}")  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefix_equals_unshared(tiny_family_dir, family):
+    """Guards against shared-prefix training that is not exact for a family: above all Qwen3.5's linear-attention
+    layers, where an answer must start from the state its prompt leaves, not from zero nor from its sibling's."""
+    from transformers import AutoProcessor
+
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    torch.manual_seed(0)
+    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    prompts, responses = _groups(processor)
+    results = {}
+    for share in (False, True):
+        inputs, response_ids, mask = rollout.pack(prompts, responses, model.config.image_token_id, share)
+        model.zero_grad(set_to_none=True)
+        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        results[share] = (logp.detach() * mask, _grads(model))
+    (logp_u, grads_u), (logp_s, grads_s) = results[False], results[True]
+    torch.testing.assert_close(logp_s, logp_u, rtol=1e-5, atol=1e-5)
+    assert grads_s.keys() == grads_u.keys()
+    for name in grads_u:
+        torch.testing.assert_close(grads_s[name], grads_u[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_linear_attention_restarts_per_sequence(tiny_family_dir):
+    """Guards against the segment-wise linear attention being a no-op: without it the packed row's second sequence
+    would start from the first one's recurrent state and its log-probs would move."""
+    from transformers import AutoProcessor
+
+    path = tiny_family_dir("qwen3_5")
+    processor = AutoProcessor.from_pretrained(path)
+    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    inputs, response_ids, mask = rollout.pack(prompts, responses, model.config.image_token_id)
+    with torch.no_grad():
+        segmentwise = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
+        for layer in model.model.language_model.layers:
+            if hasattr(layer, "linear_attn"):
+                del layer.linear_attn.forward  # back to transformers' own forward over the whole row
+        whole_row = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
+    assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
+
+
+def _copy_checkpoint(src, dst, edit):
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_weights_missing_or_unexpected_stop_at_start(tiny_family_dir, tmp_path, meta):
+    """Guards against training a half-random model: a checkpoint with a tensor the model lacks, or lacking one it
+    has, stops at load naming the tensor and the supported families -- while Qwen3.5's `mtp.*` tensors, which its
+    class declares ignorable, do not."""
+    path = tiny_family_dir("qwen3_5")
+    cpu = torch.device("cpu")
+
+    def extra(t):
+        t["model.language_model.layers.0.self_attn.q_norm.weight"] = torch.ones(64)
+
+    def lacking(t):
+        del t["model.visual.merger.linear_fc1.weight"]
+
+    def mtp(t):
+        t["mtp.fc.weight"] = torch.zeros(4, 4)
+
+    for name, edit, message in (("extra", extra, "unexpected"), ("lacking", lacking, "missing")):
+        bad = _copy_checkpoint(path, tmp_path / name, edit)
+        with pytest.raises(ValueError, match=f"1 {message} tensors.*supported: qwen2_5_vl, qwen3_vl, qwen3_5"):
+            models.load_model(bad, cpu, "sdpa", meta=meta)
+    models.load_model(_copy_checkpoint(path, tmp_path / "mtp", mtp), cpu, "sdpa", meta=meta)
+
+
+def test_unsupported_model_type_stops_at_start(tiny_family_dir, tmp_path):
+    """Guards against loading a checkpoint of another family into one of ours: one line naming its model_type and
+    the supported list, from both the start-up check and the loader."""
+    path = shutil.copytree(tiny_family_dir("qwen3_vl"), tmp_path / "moe")
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "qwen3_vl_moe"
+    (path / "config.json").write_text(json.dumps(config))
+    message = "model_type 'qwen3_vl_moe' is not supported; supported: qwen2_5_vl, qwen3_vl, qwen3_5"
+    assert models.unsupported_model(str(path)) == message
+    with pytest.raises(ValueError, match=message):
+        models.load_model(str(path), torch.device("cpu"), "sdpa")
+    for family in FAMILIES:
+        assert models.unsupported_model(tiny_family_dir(family)) is None
