@@ -219,9 +219,20 @@ def _register_attention():
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    def own_mask(*, batch_size, q_length, kv_length, attention_mask=None, **kwargs):
+        """sdpa's own masks for padded batches; none for one unpadded row, which the attention above handles itself
+        (causal, or packed through its PackedLayout). A model that always builds its mask (Qwen3-VL) would otherwise
+        get a block mask from a packed row's text positions -- one that cannot express shared prefixes (a group's
+        answers continue their prompt's positions, so it would let them see each other) and that overrides the
+        layout."""
+        if attention_mask is None and batch_size == 1 and q_length == kv_length:
+            return None
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                         attention_mask=attention_mask, **kwargs)  # fmt: skip
+
     for name, fn in (("sdpa_packed", sdpa_packed), ("varlen_packed", varlen_packed), (VISION_VARLEN, varlen_packed)):
         AttentionInterface.register(name, fn)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # padded batches get sdpa's own masks
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, own_mask)
 
 
 def use_varlen_in_vision_tower(model):
@@ -357,7 +368,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
             no_mask = dict.fromkeys(model.config.text_config.layer_types)
             extra = {"position_ids": position_ids, "attention_mask": no_mask}
         else:
-            extra = {"position_ids": position_ids[1:], "attention_mask": None}  # mRoPE rows only
+            extra = {"position_ids": position_ids, "attention_mask": None}
         extra["packed_layout"] = layout
         flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
         flat = flat[0]  # (R, 1 or 2)
@@ -391,10 +402,10 @@ class Family:
     exactly that factor, so it is not repeated here."""
 
     fsdp_units: Callable  # model -> the modules sharded as their own FSDP2 units, before the root
-    # How a packed row reaches the decoder without a mask being built from its positions (a mask would override the
-    # PackedLayout): Qwen2.5-VL and Qwen3.5 take a dict of prepared masks (None each) and 4 position rows (text row
-    # first); Qwen3-VL's text model always builds its mask, so it gets 3 mRoPE rows only: with no text row it
-    # cannot detect packed sequences, and with no padding sdpa's mask is plain causal, which it skips (None).
+    # How a packed row reaches the decoder with no mask (its attention keeps the sequences apart): Qwen2.5-VL and
+    # Qwen3.5 take a dict of prepared masks, None for each layer type; Qwen3-VL's text model always builds its own
+    # mask, so it gets attention_mask=None, for which this module's attentions build none (_register_attention) and
+    # flash-attention builds none either (it finds the sequences in the text positions).
     mask_dict: bool
     # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
     # next: run them a segment at a time (segmentwise_linear_attention).
