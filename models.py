@@ -458,9 +458,11 @@ def family_of(path: str) -> Family:
 
 def unsupported_model(path: str) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
-    None. from_pretrained would load a Qwen3-VL checkpoint into the Qwen2.5-VL class, warn about the weights it
-    leaves random, and train the result: this stops first, naming the model_type. A hub id not in the cache is
-    checked by load_model, once its config.json is downloaded."""
+    None. from_pretrained would load a checkpoint of another family into one of ours, warn about the weights it
+    leaves random, and train the result: this stops first, naming the model_type, or, for a local directory of a
+    supported type, the first tensors that are missing or unexpected (the model built on the meta device, the
+    safetensors' headers read: seconds even for a large model). A hub id not in the cache is checked by load_model,
+    once its files are downloaded."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -471,7 +473,15 @@ def unsupported_model(path: str) -> str | None:
     if not os.path.exists(config_file):
         return "no config.json: not a Hugging Face model directory"
     with open(config_file) as f:
-        return unsupported_type(json.load(f).get("model_type"))
+        problem = unsupported_type(json.load(f).get("model_type"))
+    if problem or not os.path.isdir(path):
+        return problem
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+    _keep_checkpoint_renaming(model, path)
+    return tensor_name_problem(model, path)
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
@@ -499,7 +509,9 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         _keep_checkpoint_renaming(model, path)
     else:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    check_tensor_names(model, path)
+    problem = tensor_name_problem(model, path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
     if family(model).linear_attention:
         segmentwise_linear_attention(model)
     use_varlen_in_vision_tower(model)
@@ -529,11 +541,12 @@ def _keep_checkpoint_renaming(model, path):
     model._weight_conversions = [t for t in transforms if t.was_used()]
 
 
-def check_tensor_names(model, path):
-    """Stop unless the checkpoint's tensors (renamed as transformers renames them) are exactly the model's: a missing
-    one would stay random, an unexpected one means another architecture (a Qwen3-VL's deepstack mergers and q/k norms
-    in a Qwen2.5-VL class). Tensors the model class itself declares ignorable are allowed: Qwen3.5 checkpoints carry
-    multi-token-prediction weights (`mtp.*`) that transformers does not use. Reads the files' headers only."""
+def tensor_name_problem(model, path) -> str | None:
+    """None if the checkpoint's tensors (renamed as transformers renames them) are exactly the model's, else why not:
+    a missing one would stay random, an unexpected one means another architecture (a Qwen3-VL's deepstack mergers
+    and q/k norms in a Qwen2.5-VL class). Tensors the model class itself declares ignorable are allowed: Qwen3.5
+    checkpoints carry multi-token-prediction weights (`mtp.*`) that transformers does not use. Reads the files'
+    headers only."""
     from safetensors import safe_open
     from transformers.core_model_loading import rename_source_key
 
@@ -548,10 +561,11 @@ def check_tensor_names(model, path):
     missing = sorted(set(dict(model.named_parameters())) - names)
     for what, found in (("unexpected", unexpected), ("missing", missing)):
         if found:
-            raise ValueError(
-                f"{path}: {len(found)} {what} tensors for {type(model).__name__} ({model.config.model_type}): "
+            return (
+                f"{len(found)} {what} tensors for {type(model).__name__} ({model.config.model_type}): "
                 f"{', '.join(found[:5])}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+    return None
 
 
 def _safetensors_files(path):
