@@ -410,9 +410,10 @@ class Family:
     # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
     # next: run them a segment at a time (segmentwise_linear_attention).
     linear_attention: bool = False
-    # vLLM options the family needs. Qwen3.5's recurrent state cannot be prefix-cached without chunked prefill,
-    # which vLLM's CPU runner cannot use with seeded requests (see rollout.VLLMEngine).
-    vllm_kwargs: dict = field(default_factory=dict)
+    # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see rollout.VLLMEngine):
+    # vLLM caches Qwen3.5's recurrent state for prefix caching only with chunked prefill ("Chunked prefill is
+    # required for mamba cache mode 'align'"), so there its prefix caching is off.
+    vllm_cpu_kwargs: dict = field(default_factory=dict)
     # The engine's dtype on CPU, where the trainer computes in fp32. vLLM 0.32's CPU gated-delta-net kernel asserts
     # bf16 ("CPU GDN attention requires BF16"), so a Qwen3.5 engine on CPU samples in bf16 (on GPU all are bf16).
     vllm_cpu_dtype: torch.dtype = torch.float32
@@ -427,7 +428,7 @@ FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, mask_dict=True),
     "qwen3_vl": Family(tower_and_layers, mask_dict=False),
     "qwen3_5": Family(tower_and_layers, mask_dict=True, linear_attention=True,
-                      vllm_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
+                      vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
 }  # fmt: skip
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

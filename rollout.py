@@ -155,7 +155,6 @@ class HFEngine:
             raise ValueError(f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be >= 1")
         self.model, self.tokenizer = None, processor.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
-        self.forbidden = vision_token_ids(self.tokenizer, models.family_of(cfg.actor.model_path).vision_tokens)
         self.max_seqs = cfg.rollout.max_num_seqs
         self.packed = cfg.actor.padding_free  # score the answers in the trainer's own layout
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
@@ -169,6 +168,7 @@ class HFEngine:
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
         self.model = model
+        self.forbidden = vision_token_ids(self.tokenizer, models.family(model).vision_tokens)
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.image_token_id = model.config.image_token_id
@@ -341,6 +341,7 @@ class VLLMEngine:
                 # request's generator after a partial prefill: schedule every prompt whole instead
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(max_model_len, 8192),
+                **family.vllm_cpu_kwargs,
             }
         self.llm = LLM(
             model=cfg.actor.model_path,
@@ -360,7 +361,6 @@ class VLLMEngine:
             # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
             logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
             **platform,
-            **family.vllm_kwargs,
         )
         # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
         # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.

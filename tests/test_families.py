@@ -206,3 +206,26 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("size", [(1, 1), (5, 3), (1, 300), (1, 100_000), (3000, 2000)])
+def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
+    """Guards against fitting images to Qwen2.5-VL's 28 px for a family whose merged token is 32 px (patch 16 x
+    merge 2): a strip padded to 28 px is below one token of Qwen3-VL/Qwen3.5, and the processor then stretches it.
+    The prompt-length filter's token count must also be what the processor makes of the fitted image."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    import data
+
+    processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
+    side = data.image_side(processor.image_processor)
+    assert side == (28 if family == "qwen2_5_vl" else 32)
+    min_pixels, max_pixels = 56 * 56, 112 * 112
+    data.set_pixel_range(processor, min_pixels, max_pixels)
+    img = data.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)
+    assert min(img.size) >= side and max(img.size) / min(img.size) < 200
+    grid = processor.image_processor(images=[img])["image_grid_thw"][0]
+    counted = data.image_token_count(processor.image_processor, *size, min_pixels, max_pixels)
+    assert int(grid.prod()) // processor.image_processor.merge_size**2 == counted
