@@ -8,11 +8,12 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import models
 import rollout
-from tests.launch import torchrun
+from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
@@ -98,6 +99,31 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
                 del layer.linear_attn.forward  # back to transformers' own forward over the whole row
         whole_row = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
+    """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
+    the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
+    left uninitialised) and against an export in other names than the checkpoint's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import checkpoint
+    from tests.load_check import mismatches
+
+    path = tiny_family_dir(family)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = models.load_sharded(path, torch.device("cpu"), "sdpa")
+        assert mismatches(model, AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)) == []
+        export = tmp_path / "export"
+        checkpoint.save_hf(model, AutoProcessor.from_pretrained(path), str(export))
+    finally:
+        dist.destroy_process_group()
+    names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
+    assert names(str(export)) == names(path)
+    assert models.unsupported_model(str(export)) is None
 
 
 def _copy_checkpoint(src, dst, edit):
