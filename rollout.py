@@ -330,6 +330,9 @@ class VLLMEngine:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
+        if self.dtype != torch.float32 and not on_cuda and rank == 0:
+            print(f"rollout: vLLM's CPU kernels for this model need {self.dtype}: the engine samples in it, the "
+                  "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
         max_model_len = d.max_prompt_length + d.max_response_length
         if on_cuda:
             platform = {"gpu_memory_utilization": r.gpu_memory_utilization}
