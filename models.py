@@ -23,6 +23,8 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -221,9 +223,20 @@ def _register_attention():
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+    def own_mask(*, batch_size, q_length, kv_length, attention_mask=None, **kwargs):
+        """sdpa's own masks for padded batches; none for one unpadded row, which the attention above handles itself
+        (causal, or packed through its PackedLayout). A model that always builds its mask (Qwen3-VL) would otherwise
+        get a block mask from a packed row's text positions -- one that cannot express shared prefixes (a group's
+        answers continue their prompt's positions, so it would let them see each other) and that overrides the
+        layout."""
+        if attention_mask is None and batch_size == 1 and q_length == kv_length:
+            return None
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                         attention_mask=attention_mask, **kwargs)  # fmt: skip
+
     for name, fn in (("sdpa_packed", sdpa_packed), ("varlen_packed", varlen_packed), (VISION_VARLEN, varlen_packed)):
         AttentionInterface.register(name, fn)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # padded batches get sdpa's own masks
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, own_mask)
 
 
 def use_varlen_in_vision_tower(model):
@@ -231,6 +244,37 @@ def use_varlen_in_vision_tower(model):
     kernel call per layer for all images and windows instead of a Python loop over them."""
     if model.config._attn_implementation == "varlen_packed":
         model.model.visual.config._attn_implementation = VISION_VARLEN
+
+
+def segmentwise_linear_attention(model):
+    """Make Qwen3.5's linear-attention layers (gated delta net: a causal conv1d, then a recurrence over the tokens)
+    keep a packed row's sequences apart, as PackedLayout does for attention: their conv window and recurrent state
+    must restart at every sequence, and the torch code transformers falls back to on CPU has no working cu_seqlens.
+    So on a packed call each segment runs alone, and an answer of a shared-prefix group runs after its prompt
+    ([prompt | answer], keeping the answer's outputs): the state it starts from is exactly the prompt's final one.
+    That recomputes the prompt once per answer in these layers only (the prompt's own outputs come from its own
+    segment), the price of exactness without a kernel that takes an initial state per sequence. Padded batches and
+    generate (which has a cache) are untouched: left padding is zeroed by the module itself."""
+    for layer in model.model.language_model.layers:
+        module = getattr(layer, "linear_attn", None)
+        if module is not None:
+            module.forward = _segmentwise(module.forward)
+
+
+def _segmentwise(forward):
+    def packed_forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        layout = kwargs.pop("packed_layout", None)
+        if layout is None or cache_params is not None or hidden_states.shape[0] != 1:
+            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        outs = []
+        for s, e, ps, pe in layout.segments:
+            x = hidden_states[:, s:e]  # (1, n, H)
+            if pe > ps:
+                x = torch.cat([hidden_states[:, ps:pe], x], dim=1)  # (1, p + n, H)
+            outs.append(forward(x, **kwargs)[:, x.shape[1] - (e - s) :])  # (1, n, H)
+        return torch.cat(outs, dim=1)  # (1, L, H)
+
+    return packed_forward
 
 
 def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens):
@@ -324,8 +368,12 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
             batch_inputs["group_sizes"], response_lens,
         )  # fmt: skip
         flat_labels = inputs["input_ids"][:, targets]  # (1, R), R = all response tokens
-        no_mask = dict.fromkeys(model.config.text_config.layer_types)  # prepared "masks": none, the row is packed
-        extra = {"position_ids": position_ids, "attention_mask": no_mask, "packed_layout": layout}
+        if family(model).mask_dict:  # prepared "masks": none, the row is packed (see Family.mask_dict)
+            no_mask = dict.fromkeys(model.config.text_config.layer_types)
+            extra = {"position_ids": position_ids, "attention_mask": no_mask}
+        else:
+            extra = {"position_ids": position_ids, "attention_mask": None}
+        extra["packed_layout"] = layout
         flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
@@ -341,8 +389,52 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
 # Loading and FSDP2.
 
 
-# model_type values (config.json) of the families this trainer knows how to load, shard and pack
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl",)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tower_and_layers(model):
+    """The FSDP2 units below the root: the vision tower as one unit (Qwen3-VL's deepstack mergers and every patch
+    merger live inside it), then each decoder layer (Qwen3.5's linear- and full-attention layers alike)."""
+    return [model.model.visual, *model.model.language_model.layers]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the model families this trainer supports; everything else (loading, FSDP2, the packed
+    forward, the weight sync) is one code path. The image side that data.py fits images to (patch x merge: 28 px
+    for Qwen2.5-VL, 32 px for Qwen3-VL and Qwen3.5) is read from the checkpoint's own processor, which resizes by
+    exactly that factor, so it is not repeated here."""
+
+    fsdp_units: Callable  # model -> the modules sharded as their own FSDP2 units, before the root
+    # How a packed row reaches the decoder with no mask (its attention keeps the sequences apart): Qwen2.5-VL and
+    # Qwen3.5 take a dict of prepared masks, None for each layer type; Qwen3-VL's text model always builds its own
+    # mask, so it gets attention_mask=None, for which this module's attentions build none (_register_attention) and
+    # flash-attention builds none either (it finds the sequences in the text positions).
+    mask_dict: bool
+    # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
+    # next: run them a segment at a time (segmentwise_linear_attention).
+    linear_attention: bool = False
+    # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see rollout.VLLMEngine):
+    # vLLM caches Qwen3.5's recurrent state for prefix caching only with chunked prefill ("Chunked prefill is
+    # required for mamba cache mode 'align'"), so there its prefix caching is off.
+    vllm_cpu_kwargs: dict = field(default_factory=dict)
+    # The engine's dtype on CPU, where the trainer computes in fp32. vLLM 0.32's CPU gated-delta-net kernel asserts
+    # bf16 ("CPU GDN attention requires BF16"), so a Qwen3.5 engine on CPU samples in bf16 (on GPU all are bf16).
+    vllm_cpu_dtype: torch.dtype = torch.float32
+    # Sampling one would put an image placeholder into a response: "Image features and image tokens do not match".
+    vision_tokens: tuple = VISION_TOKENS
+
+
+# model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
+# in-memory weight names transformers gives all three are the ones vLLM's loaders take (their hf_to_vllm_mapper
+# maps `model.language_model.` / `model.visual.` / `lm_head.`), so no family needs a name mapping for the sync.
+FAMILIES = {
+    "qwen2_5_vl": Family(tower_and_layers, mask_dict=True),
+    "qwen3_vl": Family(tower_and_layers, mask_dict=False),
+    "qwen3_5": Family(tower_and_layers, mask_dict=True, linear_attention=True,
+                      vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
+}  # fmt: skip
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 def unsupported_type(model_type) -> str | None:
@@ -352,11 +444,30 @@ def unsupported_type(model_type) -> str | None:
     return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
 
 
+def family(model) -> Family:
+    """The Family of a loaded model (by its config's model_type)."""
+    return FAMILIES[model.config.model_type]
+
+
+def family_of(path: str) -> Family:
+    """The Family of the checkpoint at `path` (its config.json only), for those that need it before the model loads:
+    the rollout engines. An unsupported model_type stops here too."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(path).model_type
+    problem = unsupported_type(model_type)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    return FAMILIES[model_type]
+
+
 def unsupported_model(path: str) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
-    None. from_pretrained would load a Qwen3-VL checkpoint into the Qwen2.5-VL class, warn about the weights it
-    leaves random, and train the result: this stops first, naming the model_type. A hub id not in the cache is
-    checked by load_model, once its config.json is downloaded."""
+    None. from_pretrained would load a checkpoint of another family into one of ours, warn about the weights it
+    leaves random, and train the result: this stops first, naming the model_type, or, for a local directory of a
+    supported type, the first tensors that are missing or unexpected (the model built on the meta device, the
+    safetensors' headers read: seconds even for a large model). A hub id not in the cache is checked by load_model,
+    once its files are downloaded."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -367,14 +478,24 @@ def unsupported_model(path: str) -> str | None:
     if not os.path.exists(config_file):
         return "no config.json: not a Hugging Face model directory"
     with open(config_file) as f:
-        return unsupported_type(json.load(f).get("model_type"))
+        problem = unsupported_type(json.load(f).get("model_type"))
+    if problem or not os.path.isdir(path):
+        return problem
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+    _keep_checkpoint_renaming(model, path)
+    return tensor_name_problem(model, path)
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
-    """The Qwen2.5-VL in `path` with every weight read (from_pretrained), or with meta=True its bare structure: built
-    from the config on the meta device, no weight read, no memory taken; load_sharded then shards it and reads only
-    this rank's part of each weight."""
-    from transformers import AutoConfig, GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    """The model in `path`, of the class its config.json's model_type names (AutoModelForImageTextToText), with every
+    weight read (from_pretrained), or with meta=True its bare structure: built from the config on the meta device, no
+    weight read, no memory taken; load_sharded then shards it and reads only this rank's part of each weight. A
+    checkpoint whose tensors are not exactly the model's (missing or unexpected ones, the model's own ignore list
+    aside) is an error either way: never a half-random model."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     attn_implementation = resolve_attention(attn_implementation, device)
     config = AutoConfig.from_pretrained(path)  # (a hub model's config.json is downloaded here, if it was not cached)
@@ -383,7 +504,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         raise ValueError(f"{path}: {problem}")
     if meta:
         with torch.device("meta"):
-            model = Qwen2_5_VLForConditionalGeneration._from_config(
+            model = AutoModelForImageTextToText.from_config(
                 config, dtype=dtype, attn_implementation=attn_implementation
             )
         try:  # the stop tokens, which from_pretrained reads too (and likewise goes on without)
@@ -392,9 +513,12 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
             pass
         _keep_checkpoint_renaming(model, path)
     else:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation
-        )
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    problem = tensor_name_problem(model, path)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    if family(model).linear_attention:
+        segmentwise_linear_attention(model)
     use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -422,6 +546,33 @@ def _keep_checkpoint_renaming(model, path):
     model._weight_conversions = [t for t in transforms if t.was_used()]
 
 
+def tensor_name_problem(model, path) -> str | None:
+    """None if the checkpoint's tensors (renamed as transformers renames them) are exactly the model's, else why not:
+    a missing one would stay random, an unexpected one means another architecture (a Qwen3-VL's deepstack mergers
+    and q/k norms in a Qwen2.5-VL class). Tensors the model class itself declares ignorable are allowed: Qwen3.5
+    checkpoints carry multi-token-prediction weights (`mtp.*`) that transformers does not use. Reads the files'
+    headers only."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import rename_source_key
+
+    names = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, "pt") as f:
+            names.update(rename_source_key(key, model._weight_conversions, [])[0] for key in f.keys())
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    # state_dict names a tied weight under both its names; named_parameters once (3B's lm_head is embed_tokens, and
+    # its files hold only the latter)
+    unexpected = sorted(n for n in names - set(model.state_dict()) if not any(p.search(n) for p in ignored))
+    missing = sorted(set(dict(model.named_parameters())) - names)
+    for what, found in (("unexpected", unexpected), ("missing", missing)):
+        if found:
+            return (
+                f"{len(found)} {what} tensors for {type(model).__name__} ({model.config.model_type}): "
+                f"{', '.join(found[:5])}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+    return None
+
+
 def _safetensors_files(path):
     """The weight files from_pretrained reads: those model.safetensors.index.json names, or model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -444,9 +595,8 @@ def apply_fsdp(model, device, offload=False):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    fully_shard(model.model.visual, **kwargs)
-    for layer in model.model.language_model.layers:
-        fully_shard(layer, **kwargs)
+    for unit in family(model).fsdp_units(model):
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     if next(model.parameters()).is_meta:
         model.to_empty(device="cpu" if offload else device)

@@ -24,10 +24,6 @@ import torch.distributed as dist
 
 import models
 
-# Sampling one of these would put an image placeholder into a response, and the next training forward fails with
-# "Image features and image tokens do not match". They are forbidden at every sampling step.
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-
 
 @dataclass
 class SamplingParams:
@@ -61,9 +57,12 @@ def encode_prompt(processor, example) -> Prompt:
     return Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images))
 
 
-def vision_token_ids(tokenizer) -> list[int]:
+def vision_token_ids(tokenizer, tokens=models.VISION_TOKENS) -> list[int]:
+    """Ids of the family's vision special tokens (models.Family.vision_tokens): sampling one would put an image
+    placeholder into a response, and the next training forward fails with "Image features and image tokens do not
+    match". They are forbidden at every sampling step."""
     vocab = tokenizer.get_vocab()
-    return sorted(vocab[t] for t in VISION_TOKENS if t in vocab)
+    return sorted(vocab[t] for t in tokens if t in vocab)
 
 
 def collate(prompts, responses, pad_id, image_token_id):
@@ -156,7 +155,6 @@ class HFEngine:
             raise ValueError(f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be >= 1")
         self.model, self.tokenizer = None, processor.tokenizer
         self.pad_id = self.tokenizer.pad_token_id
-        self.forbidden = vision_token_ids(self.tokenizer)
         self.max_seqs = cfg.rollout.max_num_seqs
         self.packed = cfg.actor.padding_free  # score the answers in the trainer's own layout
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
@@ -170,6 +168,7 @@ class HFEngine:
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
         self.model = model
+        self.forbidden = vision_token_ids(self.tokenizer, models.family(model).vision_tokens)
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.image_token_id = model.config.image_token_id
@@ -320,17 +319,22 @@ class VLLMEngine:
 
         r, d = cfg.rollout, cfg.data
         rank = dist.get_rank()
+        family = models.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
         on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
-        self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer)}
+        self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
         # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
         self.sleep_level = r.sleep_level if on_cuda else 0
         if r.sleep_level and not on_cuda and rank == 0:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
-        self.dtype = torch.bfloat16 if on_cuda else torch.float32  # the trainer computes in bf16 on GPU, fp32 on CPU
+        # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
+        self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
+        if self.dtype != torch.float32 and not on_cuda and rank == 0:
+            print(f"rollout: vLLM's CPU kernels for this model need {self.dtype}: the engine samples in it, the "
+                  "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
         max_model_len = d.max_prompt_length + d.max_response_length
         if on_cuda:
             platform = {"gpu_memory_utilization": r.gpu_memory_utilization}
@@ -342,6 +346,7 @@ class VLLMEngine:
                 # request's generator after a partial prefill: schedule every prompt whole instead
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(max_model_len, 8192),
+                **family.vllm_cpu_kwargs,
             }
         self.llm = LLM(
             model=cfg.actor.model_path,

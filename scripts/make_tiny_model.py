@@ -1,10 +1,12 @@
-"""Build a tiny, randomly initialised Qwen2.5-VL checkpoint for offline CPU tests.
+"""Build a tiny, randomly initialised Qwen VL checkpoint for offline CPU tests.
 
-The checkpoint has the real Qwen2.5-VL layout (tokenizer class, special tokens, chat template,
+The checkpoint has the real layout of its family (tokenizer class, special tokens, chat template,
 processor classes, model class and weight names) but only ~1M parameters, so tests exercise the same
-code paths as the 3B/7B models (HF training forward, vLLM rollout, weight sync) in seconds.
+code paths as the real models (HF training forward, vLLM rollout, weight sync) in seconds. Families:
+qwen2_5_vl (default), qwen3_vl (dense; deepstack mergers, q/k norms, 32 px patches) and qwen3_5
+(dense; linear-attention and full-attention layers mixed).
 
-Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
+Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N] [--family qwen2_5_vl|qwen3_vl|qwen3_5]
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ from transformers import (
     Qwen2Tokenizer,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5Tokenizer,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -159,10 +168,11 @@ def train_bpe(corpus: list[str], vocab_size: int) -> tuple[dict[str, int], list[
     return model["vocab"], merges
 
 
-def build_tokenizer(seed: int, vocab_size: int) -> Qwen2Tokenizer:
-    """A Qwen2Tokenizer (same pipeline and special tokens as Qwen2.5-VL) over a tiny trained BPE."""
+def build_tokenizer(seed: int, vocab_size: int, tokenizer_class=Qwen2Tokenizer) -> Qwen2Tokenizer:
+    """A Qwen2Tokenizer (same pipeline and special tokens as Qwen2.5-VL and Qwen3-VL; Qwen3.5 has its own class with
+    the same pipeline) over a tiny trained BPE."""
     vocab, merges = train_bpe(synthetic_corpus(seed), vocab_size)
-    tokenizer = Qwen2Tokenizer(
+    tokenizer = tokenizer_class(
         vocab=vocab,
         merges=merges,
         unk_token=None,
@@ -261,20 +271,139 @@ def build_generation_config(tokenizer: Qwen2Tokenizer) -> GenerationConfig:
     return GenerationConfig(bos_token_id=end_of_text, eos_token_id=[im_end, end_of_text], pad_token_id=end_of_text)
 
 
-def build_tiny_model(out_dir: str, seed: int = 0, vocab_size: int = 400) -> str:
+def build_qwen3_processor(tokenizer) -> Qwen3VLProcessor:
+    """Qwen3-VL's and Qwen3.5's processor: the Qwen2-VL image processor at patch 16 x merge 2 (32 px per merged
+    token), Qwen3-VL's video processor."""
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=16, merge_size=2, temporal_patch_size=2
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _token_ids(tokenizer) -> dict:
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    return dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    ), dict(bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+
+
+def _qwen3_vision(deepstack: bool) -> dict:
+    """Qwen3-VL's vision tower (also Qwen3.5's), shrunk: patch 16, merge 2, learned position embeddings (an 8 x 8
+    grid, interpolated to the image), and with `deepstack` two mergers whose outputs are added to the first two
+    decoder layers' image tokens."""
+    return dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,  # head_dim 64
+        in_channels=3,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=128,
+        num_position_embeddings=64,
+        initializer_range=0.02,
+        **({"deepstack_visual_indexes": [0, 1]} if deepstack else {}),
+    )
+
+
+def build_qwen3_vl_config(tokenizer) -> Qwen3VLConfig:
+    """Qwen3-VL (dense) shrunk: q/k RMS norms in attention, interleaved mRoPE, deepstack mergers."""
+    vision_ids, special = _token_ids(tokenizer)
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # vLLM's CPU attention supports 64 but not 16
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        # sections of the rotary half-dimension (32), interleaved t/h/w as in the real model
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
+                         "mrope_interleaved": True},
+        **special,
+    )  # fmt: skip
+    return Qwen3VLConfig(
+        text_config=text_config,
+        vision_config=_qwen3_vision(deepstack=True),
+        **vision_ids,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def build_qwen3_5_config(tokenizer) -> Qwen3_5Config:
+    """Qwen3.5 (dense) shrunk: layer 0 linear attention (gated delta net), layer 1 full attention (gated, partial
+    rotary), the real model's 3:1 pattern cut to one of each."""
+    vision_ids, special = _token_ids(tokenizer)
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,  # vLLM's CPU gated-delta-net kernel rejects 32
+        linear_value_head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,  # two value heads per key head, as in the real model
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        # a quarter of head_dim rotates (16 dims, half 8), split into interleaved t/h/w sections
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        **special,
+    )  # fmt: skip
+    return Qwen3_5Config(
+        text_config=text_config,
+        vision_config=_qwen3_vision(deepstack=False),
+        **vision_ids,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+# family -> (tokenizer class, processor builder, config builder, model class)
+FAMILIES = {
+    "qwen2_5_vl": (Qwen2Tokenizer, build_processor, build_config, Qwen2_5_VLForConditionalGeneration),
+    "qwen3_vl": (Qwen2Tokenizer, build_qwen3_processor, build_qwen3_vl_config, Qwen3VLForConditionalGeneration),
+    "qwen3_5": (Qwen3_5Tokenizer, build_qwen3_processor, build_qwen3_5_config, Qwen3_5ForConditionalGeneration),
+}
+
+
+def build_tiny_model(out_dir: str, seed: int = 0, vocab_size: int = 400, family: str = "qwen2_5_vl") -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
     vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen
     special tokens are appended. Returns out_dir.
     """
+    tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed, vocab_size)
-    processor = build_processor(tokenizer)
-    config = build_config(tokenizer)
+    tokenizer = build_tokenizer(seed, vocab_size, tokenizer_class)
+    processor = make_processor(tokenizer)
+    config = make_config(tokenizer)
 
     torch.manual_seed(seed)  # the model's _init_weights draws normal(0, initializer_range) from this
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
@@ -286,10 +415,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
     args = parser.parse_args()
     start = time.perf_counter()
-    path = build_tiny_model(args.out_dir, seed=args.seed)
-    print(f"tiny Qwen2.5-VL written to {path} in {time.perf_counter() - start:.1f}s")
+    path = build_tiny_model(args.out_dir, seed=args.seed, family=args.family)
+    print(f"tiny {args.family} written to {path} in {time.perf_counter() - start:.1f}s")
 
 
 if __name__ == "__main__":

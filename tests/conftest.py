@@ -35,3 +35,19 @@ def tiny_processor(tiny_model_dir):
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory, tiny_model_dir):
+    """family -> path of a tiny random model of that family (scripts/make_tiny_model.py --family), each built once
+    per session on first use; qwen2_5_vl is tiny_model_dir."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    built = {"qwen2_5_vl": tiny_model_dir}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = build_tiny_model(str(tmp_path_factory.mktemp(f"tiny_{family}")), seed=0, family=family)
+        return built[family]
+
+    return get
