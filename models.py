@@ -401,11 +401,13 @@ def tower_and_layers(model):
 @dataclass(frozen=True)
 class Family:
     """What differs between the model families this trainer supports; everything else (loading, FSDP2, the packed
-    forward, the weight sync) is one code path. The image side that data.py fits images to (patch x merge: 28 px
-    for Qwen2.5-VL, 32 px for Qwen3-VL and Qwen3.5) is read from the checkpoint's own processor, which resizes by
-    exactly that factor, so it is not repeated here."""
+    forward, the weight sync) is one code path."""
 
     fsdp_units: Callable  # model -> the modules sharded as their own FSDP2 units, before the root
+    # The side of one merged image token, vision patch x merge, to which data.py fits every image: 28 px for
+    # Qwen2.5-VL (14 x 2), 32 px for Qwen3-VL and Qwen3.5 (16 x 2). data.py takes it from the checkpoint's processor,
+    # which resizes by that factor; load_processor stops a checkpoint whose processor says otherwise.
+    image_side: int
     # How a packed row reaches the decoder with no mask (its attention keeps the sequences apart): Qwen2.5-VL and
     # Qwen3.5 take a dict of prepared masks, None for each layer type; Qwen3-VL's text model always builds its own
     # mask, so it gets attention_mask=None, for which this module's attentions build none (_register_attention) and
@@ -429,9 +431,9 @@ class Family:
 # in-memory weight names transformers gives all three are the ones vLLM's loaders take (their hf_to_vllm_mapper
 # maps `model.language_model.` / `model.visual.` / `lm_head.`), so no family needs a name mapping for the sync.
 FAMILIES = {
-    "qwen2_5_vl": Family(tower_and_layers, mask_dict=True),
-    "qwen3_vl": Family(tower_and_layers, mask_dict=False),
-    "qwen3_5": Family(tower_and_layers, mask_dict=True, linear_attention=True,
+    "qwen2_5_vl": Family(tower_and_layers, 28, mask_dict=True),
+    "qwen3_vl": Family(tower_and_layers, 32, mask_dict=False),
+    "qwen3_5": Family(tower_and_layers, 32, mask_dict=True, linear_attention=True,
                       vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
 }  # fmt: skip
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -461,13 +463,27 @@ def family_of(path: str) -> Family:
     return FAMILIES[model_type]
 
 
+def processor_problem(path: str) -> str | None:
+    """None if the checkpoint's processor fits images to its family's side (Family.image_side), else why not: a
+    processor of another family beside the weights (a Qwen2.5-VL preprocessor_config.json with Qwen3-VL weights)
+    would make image tokens that the vision tower cannot produce."""
+    from transformers import AutoImageProcessor
+
+    from data import image_side
+
+    side, want = image_side(AutoImageProcessor.from_pretrained(path)), family_of(path).image_side
+    if side != want:
+        return f"its image processor fits images to {side} px (patch x merge), its model family's tower to {want}"
+    return None
+
+
 def unsupported_model(path: str) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
     None. from_pretrained would load a checkpoint of another family into one of ours, warn about the weights it
     leaves random, and train the result: this stops first, naming the model_type, or, for a local directory of a
     supported type, the first tensors that are missing or unexpected (the model built on the meta device, the
-    safetensors' headers read: seconds even for a large model). A hub id not in the cache is checked by load_model,
-    once its files are downloaded."""
+    safetensors' headers read: seconds even for a large model), or an image processor of another family. A hub id
+    not in the cache is checked by load_model, once its files are downloaded."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -486,7 +502,7 @@ def unsupported_model(path: str) -> str | None:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
     _keep_checkpoint_renaming(model, path)
-    return tensor_name_problem(model, path)
+    return tensor_name_problem(model, path) or processor_problem(path)
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):

@@ -177,6 +177,18 @@ def test_unsupported_model_type_stops_at_start(tiny_family_dir, tmp_path):
         assert models.unsupported_model(tiny_family_dir(family)) is None
 
 
+def test_image_processor_of_another_family_stops_at_start(tiny_family_dir, tmp_path):
+    """Guards against fitting images to another family's side: Qwen3-VL weights beside Qwen2.5-VL's image processor
+    (28 px tokens for a 32 px tower) stop at start, naming both sides."""
+    path = shutil.copytree(tiny_family_dir("qwen3_vl"), tmp_path / "mixed")
+    config = json.loads((path / "processor_config.json").read_text())
+    with open(os.path.join(tiny_family_dir("qwen2_5_vl"), "processor_config.json")) as f:
+        config["image_processor"] = json.load(f)["image_processor"]
+    (path / "processor_config.json").write_text(json.dumps(config))
+    problem = models.unsupported_model(str(path))
+    assert problem == "its image processor fits images to 28 px (patch x merge), its model family's tower to 32"
+
+
 # |vLLM log-prob - trainer log-prob| after a sync, text-only and with an image. The engine runs in fp32 on CPU, as
 # the trainer does, except for Qwen3.5: vLLM 0.32's CPU gated-delta-net kernel asserts bf16 ("CPU GDN attention
 # requires BF16"), so its engine samples in bf16 and the text bound is bf16 rounding's (measured 0.028; a sync that
@@ -247,7 +259,7 @@ def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
 
     processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
     side = data.image_side(processor.image_processor)
-    assert side == (28 if family == "qwen2_5_vl" else 32)
+    assert side == models.FAMILIES[family].image_side == (28 if family == "qwen2_5_vl" else 32)
     min_pixels, max_pixels = 56 * 56, 112 * 112
     data.set_pixel_range(processor, min_pixels, max_pixels)
     img = data.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)
