@@ -7,9 +7,9 @@ import pytest
 from tests.launch import torchrun
 
 
-def _check(tiny_model_dir, tmp_path_factory, tp):
+def _check(tiny_model_dir, tmp_path_factory, tp, *extra):
     out = tmp_path_factory.mktemp(f"vllm_tp{tp}")
-    torchrun(2, "tests/vllm_check.py", tiny_model_dir, str(out), str(tp))
+    torchrun(2, "tests/vllm_check.py", tiny_model_dir, str(out), str(tp), *extra)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -48,6 +48,33 @@ def test_synced_engine_logprobs_equal_the_trainers(tp1):
         assert rank["diff_before_sync"] > 0.5  # the perturbation is visible before the sync
         assert rank["diff_text"] <= 1e-4, rank["diff_text"]
         assert rank["diff_image"] <= 0.05, rank["diff_image"]
+
+
+@pytest.fixture(scope="module")
+def lora_tp1(tiny_model_dir, tmp_path_factory):
+    return _check(tiny_model_dir, tmp_path_factory, 1, "lora")
+
+
+def test_lora_sync_sends_merged_weights_and_only_what_changes(lora_tp1):
+    """Guards against a LoRA sync that sends the base weights without the adapters (or unscaled, or PEFT's names that
+    vLLM ignores), and against the later syncs, which skip weights LoRA cannot change, leaving part of a layer vLLM
+    fuses (q/k/v, gate/up) uninitialised: adapters on q_proj, down_proj and the vision tower's qkv, perturbed and
+    synced twice, then vLLM's log-probs of its own samples are the trainer's, with the tolerances of full tuning."""
+    for rank in lora_tp1:
+        assert rank["diff_before_sync"] > 0.5  # the adapters alone make the trainer differ from the checkpoint
+        assert rank["diff_text"] <= 1e-4, rank["diff_text"]
+        assert rank["diff_image"] <= 0.05, rank["diff_image"]
+        resynced = set(rank["resynced"])
+        assert not any("lora" in name or "base_layer" in name for name in resynced)
+        # the second sync: the adapted modules with everything vLLM fuses them with, nothing else
+        layer = "model.language_model.layers.0"
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.bias",
+                     "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"):  # fmt: skip
+            assert f"{layer}.{name}" in resynced, name
+        assert "model.visual.blocks.0.attn.qkv.weight" in resynced
+        for name in (f"{layer}.input_layernorm.weight", "model.language_model.embed_tokens.weight",
+                     "lm_head.weight", "model.visual.blocks.0.mlp.up_proj.weight"):  # fmt: skip
+            assert name not in resynced, name
 
 
 def test_vision_tokens_are_never_sampled(tp1):
