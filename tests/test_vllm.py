@@ -1,8 +1,10 @@
 """The vLLM rollout engine (vLLM's CPU build, in-process under torchrun) against the FSDP2 trainer."""
 
 import json
+import os
 
 import pytest
+import torch
 
 from tests.launch import torchrun
 
@@ -104,9 +106,18 @@ def test_tensor_parallel_group_keeps_each_ranks_own_samples(tp1, tp2):
         assert grouped["diff_text"] <= 1e-4 and grouped["diff_image"] <= 0.05
 
 
-def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_path):
+# LoRA on the default targets and the LM head: the tiny random model's frozen head and final norm cap what adapters
+# on the decoder layers alone can do for the toy reward (README); the head's adapter learns it
+LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2",
+        "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]  # fmt: skip
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_path, lora):
     """Guards against a vLLM loop that runs but does not learn (a sync that silently fails leaves the engine
-    sampling from the initial model) or whose samples are not the trainer's (logprob_diff)."""
+    sampling from the initial model) or whose samples are not the trainer's (logprob_diff). With LoRA: against
+    adapters that stop learning (a gradient lost after the reference forwards), later syncs that skip what changed,
+    and a final export that is not the merged model or has no adapter directory beside it."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=96, seed=0)
@@ -115,7 +126,7 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
     torchrun(
         2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={tiny_model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
-        "trainer.max_steps=20", "trainer.val_freq=10", "actor.lr=3e-3",
+        "trainer.max_steps=20", "trainer.val_freq=10", "actor.lr=3e-3", *(LORA if lora else []),
     )  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["step"] > 0]
@@ -126,3 +137,14 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
     first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
     assert last >= first + 0.2, (first, last)
+    if lora:  # the merged model in the checkpoint's names: the adapted weights moved, the frozen ones did not
+        from safetensors.torch import load_file
+
+        final = load_file(str(out_dir / "hf" / "model.safetensors"))
+        initial = load_file(f"{tiny_model_dir}/model.safetensors")
+        assert sorted(final) == sorted(initial)
+        for key in ("lm_head.weight", "model.layers.1.mlp.down_proj.weight"):
+            assert not torch.equal(final[key], initial[key]), key
+        for key in ("model.embed_tokens.weight", "model.layers.1.input_layernorm.weight"):
+            assert torch.equal(final[key], initial[key]), key
+        assert sorted(os.listdir(out_dir / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
