@@ -99,3 +99,18 @@ def test_missing_or_misshapen_tensor_fails_naming_it(tiny_model_dir, tmp_path, o
         save_file(edited, broken / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight"):
             models.load_sharded(str(broken), torch.device("cpu"), "sdpa")
+
+
+def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_group):
+    """Guards against an adapter on a tied LM head (the 3B's), whose update a merged export of the one shared tensor
+    could not hold: lost silently, or applied to the input embeddings too."""
+    from types import SimpleNamespace
+
+    _, tied = checkpoints
+    actor = SimpleNamespace(lora_rank=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj", "lm_head"],
+                            model_path=tied)  # fmt: skip
+    with pytest.raises(ValueError, match="lm_head is tied"):
+        models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+    actor.lora_target_modules = ["q_proj"]  # the decoder layers alone are fine
+    model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+    assert sorted({n.rsplit(".", 4)[-4] for n, p in model.named_parameters() if p.requires_grad}) == ["q_proj"]
