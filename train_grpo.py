@@ -1079,6 +1079,8 @@ def main(argv=None):
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # (a DTensor counts its full size)
+    print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     ids = (pad_id, model.config.image_token_id)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
