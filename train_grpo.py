@@ -143,7 +143,8 @@ class ActorConfig:
     lora_alpha: int = 16  # LoRA scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input, in update forwards only (eval forwards have none)
     # modules given adapters: plain names are the language model's decoder-layer projections; `visual.NAME` adapts
-    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen
+    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen; `lm_head` the output head
+    # (refused when it is tied to the embeddings)
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
