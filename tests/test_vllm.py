@@ -106,8 +106,9 @@ def test_tensor_parallel_group_keeps_each_ranks_own_samples(tp1, tp2):
         assert grouped["diff_text"] <= 1e-4 and grouped["diff_image"] <= 0.05
 
 
-# LoRA on the default targets and the LM head: the tiny random model's frozen head and final norm cap what adapters
-# on the decoder layers alone can do for the toy reward (README); the head's adapter learns it
+# LoRA on the default targets and the LM head. With the tiny random model's head and final norm frozen, no hidden
+# state gives its 10 digit tokens more than 6.4% of the probability (0.024 uniform; adapters on the decoder layers
+# alone took the toy reward from 0.023 to 0.041 in 30 steps); the head's adapter learns it.
 LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2",
         "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]  # fmt: skip
 
