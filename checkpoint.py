@@ -76,10 +76,12 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
 
 
 def _state_options(cfg):
-    """With LoRA a checkpoint holds the trainable adapters only: the frozen base never changes (actor.model_path)."""
+    """With LoRA a checkpoint holds the trainable adapters only: the frozen base never changes (actor.model_path), so
+    loading leaves it as it is (strict=False; dcp.load still fails on any adapter the checkpoint lacks)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=cfg.actor.lora_rank > 0)
+    lora = cfg.actor.lora_rank > 0
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def list_checkpoints(output_dir):

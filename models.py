@@ -329,7 +329,7 @@ def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_gr
 
     def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
         hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
-        logp, entropy = chunked_logprobs(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
+        logp, entropy = chunked_logprobs(hidden, _head_weight(head), labels, temperature, with_entropy=with_entropy)
         if entropy is not None and not entropy_grad:
             entropy = entropy.detach()
         return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
@@ -339,6 +339,16 @@ def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_gr
         return model(**inputs, **extra, use_cache=False, logits_to_keep=logits_to_keep).logits  # (B, T, 1 or 2)
     finally:
         del head.forward  # back to the class's nn.Linear.forward
+
+
+def _head_weight(head):
+    """The LM head's weight, plus its LoRA update when it has an adapter that is on (lm_head in
+    actor.lora_target_modules): chunked_logprobs takes the weight, never the module's forward. (Inside the root's
+    forward, so FSDP2 has gathered the factors; that adapter gets no dropout.)"""
+    if LORA_ADAPTER not in getattr(head, "lora_A", {}) or head.disable_adapters:
+        return head.weight
+    a, b = head.lora_A[LORA_ADAPTER].weight, head.lora_B[LORA_ADAPTER].weight
+    return head.weight + (b @ a) * head.scaling[LORA_ADAPTER]  # (V, H)
 
 
 def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
@@ -759,11 +769,12 @@ def lora_target_regex(targets) -> str:
     """actor.lora_target_modules -> the regex PEFT matches against whole module names. A plain name (`q_proj`) is a
     module of the language model's decoder layers; `visual.NAME` one of the vision tower (`visual.qkv`): the tower
     has modules named like the language model's (its MLP's gate_proj/up_proj/down_proj) and stays frozen unless
-    named this way."""
-    text = [re.escape(t) for t in targets if not t.startswith("visual.")]
+    named this way; `lm_head` the output head."""
+    text = [re.escape(t) for t in targets if not t.startswith("visual.") and t != "lm_head"]
     vision = [re.escape(t[len("visual.") :]) for t in targets if t.startswith("visual.")]
     parts = [rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{'|'.join(text)})"] if text else []
     parts += [rf"model\.visual\.(?:.*\.)?(?:{'|'.join(vision)})"] if vision else []
+    parts += ["lm_head"] if "lm_head" in targets else []
     return "|".join(parts)
 
 
@@ -780,6 +791,10 @@ def lora_config(actor):
 def add_lora(model, config):
     """Inject the adapters (on the meta device too: init_lora fills them after loading) and freeze all else."""
     from peft import inject_adapter_in_model
+
+    if re.fullmatch(config.target_modules, "lm_head") and model.lm_head.weight is model.get_input_embeddings().weight:
+        # the head is the embedding: a merged export (one tensor for both) could not hold the head's update alone
+        raise ValueError("actor.lora_target_modules: lm_head is tied to the input embeddings in this model")
 
     inject_adapter_in_model(config, model, adapter_name=LORA_ADAPTER)
     for name, p in model.named_parameters():
@@ -829,14 +844,17 @@ def copy_own_rows(p, full):
 @contextlib.contextmanager
 def adapters_disabled(model):
     """The model with its LoRA adapters switched off: the frozen base, i.e. the reference policy."""
+    # PEFT's own switch, enable_adapters(), also sets requires_grad on the adapters, which FSDP2 copies into the
+    # unsharded parameters it reuses: after one reference forward the adapters of the root unit (lm_head) got no
+    # gradient any more. So flip only the flag PEFT's forward reads.
     layers = lora_layers(model).values()
     for layer in layers:
-        layer.enable_adapters(False)
+        layer._disable_adapters = True
     try:
         yield model
     finally:
         for layer in layers:
-            layer.enable_adapters(True)  # (PEFT also makes the adapters trainable again)
+            layer._disable_adapters = False
 
 
 def full_tensor(t):

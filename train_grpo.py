@@ -143,7 +143,8 @@ class ActorConfig:
     lora_alpha: int = 16  # LoRA scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input, in update forwards only (eval forwards have none)
     # modules given adapters: plain names are the language model's decoder-layer projections; `visual.NAME` adapts
-    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen
+    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen; `lm_head` the output head
+    # (refused when it is tied to the embeddings)
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -1079,6 +1080,8 @@ def main(argv=None):
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # (a DTensor counts its full size)
+    print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     ids = (pad_id, model.config.image_token_id)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay

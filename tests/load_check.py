@@ -80,7 +80,9 @@ def lora_facts(tiny, base, processor, out_dir):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     rank, world, cpu = dist.get_rank(), dist.get_world_size(), torch.device("cpu")
-    cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", "actor.lora_rank=8", "actor.lora_alpha=32"])
+    targets = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"  # the defaults and the head
+    overrides = ["actor.lora_rank=8", "actor.lora_alpha=32", f"actor.lora_target_modules={targets}"]
+    cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", *overrides])
     pad_id = processor.tokenizer.pad_token_id
     policy, ref = models.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
     facts = {"lora/ref_is_policy": ref is policy}
@@ -104,6 +106,13 @@ def lora_facts(tiny, base, processor, out_dir):
     facts["lora/trainable_after_ref"] = [n for n, p in policy.named_parameters() if p.requires_grad] == [
         n for n, _ in trainable
     ]
+    # after the reference forwards (adapters off) every adapter still gets its gradient, the root's (lm_head) too
+    policy.train()
+    logp, _ = models.forward_logprobs(policy, *packed_batch(processor), 1.0)
+    logp.sum().backward()
+    facts["lora/adapters_without_grad"] = [n for n, p in trainable if ".lora_B." in n and p.grad is None]
+    policy.zero_grad(set_to_none=True)
+    policy.eval()
 
     export, adapter = os.path.join(out_dir, f"lora_hf_{world}"), os.path.join(out_dir, f"lora_adapter_{world}")
     checkpoint.save_hf(policy, processor, export)

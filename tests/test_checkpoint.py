@@ -26,6 +26,11 @@ DETERMINISTIC_KEYS = [
 ]  # fmt: skip
 
 
+# LoRA on (issue 15): the same runs must resume as exactly from checkpoints that hold only the adapters and their
+# optimizer state
+LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2"]
+
+
 def run_args(model_dir, data, out_dir, *overrides, engine="hf"):
     # warmup over 8 optimizer steps makes the LR change every step, so a schedule that is not restored shows up
     return [
@@ -44,17 +49,38 @@ def checkpoints(out_dir):
     return sorted(os.listdir(os.path.join(out_dir, "checkpoints")))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tiny_model_dir, tmp_path_factory):
-    """6 uninterrupted steps, a checkpoint every 2, keeping 2: the reference the other runs are compared with."""
+def checkpoint_keys(path):
+    """The names of the tensors a checkpoint holds (torch.distributed.checkpoint's metadata)."""
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _uninterrupted(tiny_model_dir, tmp_path_factory, *extra):
     from scripts.make_synthetic_data import make_geo3k_like
 
     tmp = tmp_path_factory.mktemp("ckpt")
     data = make_geo3k_like(str(tmp / "train.parquet"), n_rows=16, seed=0)
     out = tmp / "uninterrupted"
-    overrides = ["trainer.max_steps=6", "trainer.save_freq=2", "trainer.save_limit=2"]
+    overrides = ["trainer.max_steps=6", "trainer.save_freq=2", "trainer.save_limit=2", *extra]
     torchrun(2, *run_args(tiny_model_dir, data, out, *overrides))
     return data, str(out)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    """6 uninterrupted steps, a checkpoint every 2, keeping 2: the reference the other runs are compared with."""
+    return _uninterrupted(tiny_model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_lora(tiny_model_dir, tmp_path_factory):
+    """The same with LoRA adapters."""
+    return _uninterrupted(tiny_model_dir, tmp_path_factory, *LORA)
+
+
+def reference_run(request, lora):
+    return request.getfixturevalue("uninterrupted_lora" if lora else "uninterrupted"), LORA if lora else []
 
 
 def test_save_limit_keeps_the_newest_n(uninterrupted):
@@ -75,12 +101,14 @@ def test_prune_never_deletes_the_checkpoint_just_written(tmp_path):
     assert sorted(os.listdir(root)) == ["step_10", "step_4"]
 
 
-def test_resume_after_a_killed_save_matches_uninterrupted_run(tiny_model_dir, uninterrupted, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_after_a_killed_save_matches_uninterrupted_run(tiny_model_dir, tmp_path, request, lora):
     """Guards against any state (weights, optimizer, LR schedule, data position, RNG, metrics file) not surviving a
-    stop, and against auto-resume loading a save that was killed before it completed."""
-    data, reference = uninterrupted
+    stop, and against auto-resume loading a save that was killed before it completed. With LoRA: against a
+    checkpoint that drops the adapters' optimizer state, or holds the frozen base besides them."""
+    (data, reference), lora_args = reference_run(request, lora)
     out = tmp_path / "stopped"
-    torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=5", "trainer.save_freq=3"))
+    torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=5", "trainer.save_freq=3", *lora_args))
     # A kill during the save of step 5 leaves its temp directory with some shards and no trainer state. The run had
     # also logged steps 4 and 5, past the last complete checkpoint (step 3).
     root = out / "checkpoints"
@@ -88,7 +116,7 @@ def test_resume_after_a_killed_save_matches_uninterrupted_run(tiny_model_dir, un
     os.remove(root / ".tmp-step_5" / "trainer_state.json")
     os.remove(root / ".tmp-step_5" / "__1_0.distcp")
 
-    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", "trainer.save_freq=3"))
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", "trainer.save_freq=3", *lora_args))
     assert "skipping incomplete checkpoint" in stdout and ".tmp-step_5" in stdout
     assert f"resumed from {root / 'step_3'}" in stdout and "step 3, epoch 0, index 6" in stdout
     resumed, expected = metrics(out), metrics(reference)
@@ -96,6 +124,13 @@ def test_resume_after_a_killed_save_matches_uninterrupted_run(tiny_model_dir, un
     for got, want in zip(resumed, expected):
         assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
     assert checkpoints(out) == ["step_3", "step_6"]  # the killed save's leftovers are gone
+    keys = checkpoint_keys(root / "step_6")
+    adapters = [k for k in keys if ".lora_A." in k or ".lora_B." in k]
+    if lora:  # the adapters, their AdamW moments, nothing of the frozen base
+        assert {k for k in keys if k.startswith(("model.", "optim.state."))} == set(adapters)
+        assert any(k.startswith("optim.state.") and k.endswith("exp_avg_sq") for k in adapters)
+    else:
+        assert not adapters and "model.lm_head.weight" in keys
 
 
 def test_resume_exactly_at_an_epoch_boundary(tiny_model_dir, uninterrupted, tmp_path):
@@ -140,15 +175,18 @@ def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
 
 
-def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, uninterrupted, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, tmp_path, request, lora):
     """Guards against an export that renames weights, misses the processor or chat template, or exports weights other
-    than the checkpoint's: exporting the last checkpoint must give the files training wrote to <output_dir>/hf."""
+    than the checkpoint's: exporting the last checkpoint must give the files training wrote to <output_dir>/hf. With
+    LoRA: against an export with adapter names in it or the adapters not merged, and an <output_dir>/adapter that
+    PEFT cannot load or that differs from the merged model."""
     from safetensors.torch import load_file
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
     from checkpoint import export_checkpoint
 
-    _, reference = uninterrupted
+    (_, reference), _ = reference_run(request, lora)
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
     final = os.path.join(reference, "hf")
     assert sorted(os.listdir(out)) == sorted(os.listdir(final))
@@ -158,7 +196,18 @@ def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, u
     exported = load_file(os.path.join(out, "model.safetensors"))
     initial = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     assert sorted(exported) == sorted(initial)  # the original checkpoint's naming
-    assert not torch.equal(exported["lm_head.weight"], initial["lm_head.weight"])  # trained weights, not the base's
+    trained = "model.layers.0.self_attn.q_proj.weight" if lora else "lm_head.weight"  # (default LoRA targets)
+    assert not torch.equal(exported[trained], initial[trained])  # trained weights, not the base's
+    if lora:  # the frozen rest is the base's, and PEFT merges the adapter directory into the same model
+        from peft import PeftModel
+
+        assert torch.equal(exported["lm_head.weight"], initial["lm_head.weight"])
+        base = Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny_model_dir)
+        merged = PeftModel.from_pretrained(base, os.path.join(reference, "adapter")).merge_and_unload().state_dict()
+        mine = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).state_dict()
+        assert sorted(merged) == sorted(mine)
+        for key in mine:
+            torch.testing.assert_close(merged[key], mine[key], rtol=0, atol=1e-6, msg=key)
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(out)
     processor = AutoProcessor.from_pretrained(out)
@@ -169,14 +218,16 @@ def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, u
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 4
 
 
-def test_export_loads_with_vllm(uninterrupted, tmp_path):
-    """Guards against an export vLLM cannot load as is, or loads with different weights than transformers."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_export_loads_with_vllm(tmp_path, request, lora):
+    """Guards against an export vLLM cannot load as is (with LoRA: adapter names in it), or loads with different
+    weights than transformers."""
     pytest.importorskip("vllm")
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from checkpoint import export_checkpoint
 
-    _, reference = uninterrupted
+    (_, reference), _ = reference_run(request, lora)
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
     result_path = tmp_path / "vllm.json"
     proc = subprocess.run(

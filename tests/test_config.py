@@ -90,3 +90,19 @@ def test_rollout_engine_settings_that_cannot_work(overrides, message):
         check_config(cfg, world_size=4)
     cfg.rollout.engine, cfg.rollout.tensor_parallel_size, cfg.rollout.sleep_level = "vllm", 2, 2
     check_config(cfg, world_size=4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.lora_rank=-1"], r"actor\.lora_rank=-1 \(0 = full fine-tuning\)"),
+        (["actor.lora_rank=8", "actor.lora_alpha=0"], r"lora_alpha=0 > 0"),
+        (["actor.lora_rank=8", "actor.lora_target_modules=[]"], r"lora_target_modules=\[\] not empty"),
+        (["actor.lora_rank=8", "actor.lora_dropout=1.0"], r"actor\.lora_dropout=1\.0 must be in \[0, 1\)"),
+    ],
+)
+def test_lora_settings_that_cannot_work(overrides, message):
+    """Guards against a LoRA setting that would train nothing (no targets, a zero scale) or fail inside PEFT."""
+    with pytest.raises(ConfigError, match=message):
+        check_config(load_config(None, overrides), world_size=8)
+    check_config(load_config(None, ["actor.lora_rank=8"]), world_size=8)  # the defaults with LoRA on are valid

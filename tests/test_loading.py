@@ -55,15 +55,17 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_model_dir, checkpoin
     assert facts["policy_dtypes"] == ["torch.float32"] and facts["ref_dtypes"] == ["torch.float32"]  # CPU: fp32
     assert facts["policy_trainable"] == {"visual": [False], "language_model": [True], "lm_head": [True]}
     assert facts["ref_trainable"] == []
-    # LoRA (issue 15), rank 8 on the default targets: the language model's 7 projections per decoder layer
+    # LoRA (issue 15), rank 8 on the default targets (the language model's 7 projections per decoder layer) and lm_head
     assert facts["lora/ref_is_policy"]  # no second model
     assert facts["lora/trainable_not_adapters"] == [] and facts["lora/trainable_after_ref"]
+    assert facts["lora/adapters_without_grad"] == []
     text = json.loads(open(f"{tiny_model_dir}/config.json").read())["text_config"]
     h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
     q = text["num_attention_heads"] * (text.get("head_dim") or h // text["num_attention_heads"])
     kv = text["num_key_value_heads"] * (q // text["num_attention_heads"])
     per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)  # rank x (in + out) per projection
-    assert facts["lora/trainable_params"] == 8 * per_layer * layers  # none in the vision tower (its MLP too)
+    head = h + text["vocab_size"]
+    assert facts["lora/trainable_params"] == 8 * (per_layer * layers + head)  # none in the vision tower (its MLP too)
     assert facts["lora/initial_vs_base_max_abs_diff"] == 0.0  # B = 0: the adapted model starts as the base
     assert facts["lora/adapted_vs_base_max_abs_diff"] > 1e-2  # the adapters do change the policy...
     assert facts["lora/ref_vs_base_max_abs_diff"] <= 1e-6  # ...and the reference is the base without them
@@ -97,3 +99,18 @@ def test_missing_or_misshapen_tensor_fails_naming_it(tiny_model_dir, tmp_path, o
         save_file(edited, broken / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight"):
             models.load_sharded(str(broken), torch.device("cpu"), "sdpa")
+
+
+def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_group):
+    """Guards against an adapter on a tied LM head (the 3B's), whose update a merged export of the one shared tensor
+    could not hold: lost silently, or applied to the input embeddings too."""
+    from types import SimpleNamespace
+
+    _, tied = checkpoints
+    actor = SimpleNamespace(lora_rank=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj", "lm_head"],
+                            model_path=tied)  # fmt: skip
+    with pytest.raises(ValueError, match="lm_head is tied"):
+        models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+    actor.lora_target_modules = ["q_proj"]  # the decoder layers alone are fine
+    model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+    assert sorted({n.rsplit(".", 4)[-4] for n, p in model.named_parameters() if p.requires_grad}) == ["q_proj"]

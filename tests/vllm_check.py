@@ -3,7 +3,11 @@
 Every rank: start the engine (from the checkpoint on disk), load the trainer's model and perturb its weights (so the
 engine is stale until synced), sync, sample, and recompute the sampled tokens' log-probs with the trainer.
 
-    torchrun --nproc_per_node=2 tests/vllm_check.py MODEL_DIR OUT_DIR TENSOR_PARALLEL_SIZE
+    torchrun --nproc_per_node=2 tests/vllm_check.py MODEL_DIR OUT_DIR TENSOR_PARALLEL_SIZE [lora]
+
+With `lora` the trainer is the checkpoint with LoRA adapters (on q_proj, down_proj and the vision tower's qkv) and only
+the adapters are perturbed; after the first sync they are perturbed again and synced again, as after each update of
+the loop, and the log-probs are compared after that second sync, which resends only the modules LoRA changes.
 """
 
 import json
@@ -60,8 +64,30 @@ def count_vision_tokens(samples, vision_ids):
     return sum(t in vision_ids for s in samples for t in s.response_ids)
 
 
+def perturb_adapters(model, seed):
+    """Give the LoRA adapters a value (B = 0 makes them a no-op), the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in models.lora_layers(model).values():
+        b = layer.lora_B[models.LORA_ADAPTER].weight
+        models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.5)
+
+
+def record_synced_names(engine, names):
+    """Wrap the engine's reload_weights call to append the names of the tensors each sync sends to `names`."""
+    rpc = engine.llm.collective_rpc
+
+    def recording(method, *args, kwargs=None, **rest):
+        if method == "reload_weights":
+            weights = kwargs["weights_iterator"]
+            kwargs = {**kwargs, "weights_iterator": ((names.append(n), (n, t))[1] for n, t in weights)}
+        return rpc(method, *args, kwargs=kwargs, **rest)
+
+    engine.llm.collective_rpc = recording
+
+
 def main():
     model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    lora = sys.argv[4:] == ["lora"]
     rank, world, device = runtime.setup_distributed()
     from transformers import AutoProcessor
 
@@ -71,15 +97,21 @@ def main():
         "rollout.engine=vllm", f"actor.model_path={model_dir}", f"rollout.tensor_parallel_size={tp}",
         f"data.min_pixels={MIN_PIXELS}", f"data.max_pixels={MAX_PIXELS}", "data.max_prompt_length=512",
         "data.max_response_length=16", f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_num_seqs=256",
+        *(["actor.lora_rank=8", "actor.lora_target_modules=[q_proj,down_proj,visual.qkv]"] if lora else []),
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
 
     model = models.load_model(model_dir, device, "sdpa")
-    with torch.no_grad():  # the same perturbation on every rank: the trainer now differs from the checkpoint
-        g = torch.Generator().manual_seed(123)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    if lora:  # the base stays the checkpoint's: only the adapters make the trainer differ from it
+        models.add_lora(model, models.lora_config(cfg.actor))
+        models.init_lora(model)
+        perturb_adapters(model, 123)
+    else:
+        with torch.no_grad():  # the same perturbation on every rank: the trainer now differs from the checkpoint
+            g = torch.Generator().manual_seed(123)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
     models.apply_fsdp(model, device)
     pad_id = processor.tokenizer.pad_token_id
     models.root_forward(model, pad_id)
@@ -96,6 +128,12 @@ def main():
 
     engine.wake()
     engine.sync_weights(model)
+    if lora:  # an update changes the adapters; the next sync resends only what they touch
+        perturb_adapters(model, 456)
+        synced = []
+        record_synced_names(engine, synced)
+        engine.sync_weights(model)
+        result["resynced"] = synced
     seed = 1000 + rank  # what the loop passes: a different stream per rank
     text_samples = engine.generate(text, 4, params, seed=seed)
     image_samples = engine.generate(image, 4, params, seed=seed)
