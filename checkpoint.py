@@ -277,8 +277,8 @@ def _write_safetensors(path, items, rank):
             f.write(struct.pack("<Q", len(blob)) + blob)
         for _, t, lora in items:
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            if lora is not None:
-                full = full + lora_delta(lora)
+            if lora is not None:  # merged in fp32, written in the header's dtype, the base's (bf16 on GPU)
+                full = (full + lora_delta(lora)).to(full.dtype)
             if rank == 0:
                 f.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del full

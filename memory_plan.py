@@ -317,8 +317,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     """Bytes per GPU in each phase of a step, the parts of each phase in order, and the host bytes per rank at load."""
     n = count_params(s)
     kv = s.kv_heads * s.dim
-    # What trains, per FSDP2 unit: every parameter (but a frozen tower's), or with LoRA the adapters alone, beside the
-    # frozen base (kept in fp32 as the policy's weights are); the reference is then that base with the adapters off
+    # What trains, per FSDP2 unit: every parameter (but a frozen tower's), or with LoRA the adapters alone (fp32)
+    # beside the frozen base, kept in bf16 like a reference; the reference is then that base with the adapters off
     tower = 0 if x.freeze_vision else n["vision"]
     trains = {"layer": n["layer"], "vision": tower, "root": n["root"], "total": n["total"] - n["vision"] + tower}
     if x.lora_rank:
@@ -327,7 +327,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     reference = x.reference and not x.lora_rank  # a second model to hold
     with_vllm = x.engine == "vllm"
     states = {
-        "params": 4 * (n["total"] + adapters) / x.world,  # fp32 master weights
+        # fp32 master weights, or with LoRA the bf16 base and fp32 adapters
+        "params": (2 * n["total"] + 4 * adapters if x.lora_rank else 4 * n["total"]) / x.world,
         "grads": 4 * trains["total"] / x.world,  # fp32, freed by zero_grad(set_to_none) after each optimizer step
         "adam": 8 * trains["total"] / x.world,  # exp_avg and exp_avg_sq, fp32
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
@@ -396,11 +397,11 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             "logits": x.hf_rows * x.response_len * s.vocab * 4,
             "runtime": RUNTIME,
         }
-    # host memory per rank while loading: this rank's fp32 policy shard and bf16 reference shard, read through a
-    # buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy (pinned, bf16, its
-    # TP slice), which the engine made before the trainer's model loads
+    # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
+    # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
+    # (pinned, bf16, its TP slice), which the engine made before the trainer's model loads
     host = {
-        "policy": 4 * (n["total"] + adapters) / x.world,
+        "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else 4 * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
         "read buffer": 2 * s.vocab * s.hidden,
         "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,

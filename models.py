@@ -610,13 +610,19 @@ def _safetensors_files(path):
     return [os.path.join(path, "model.safetensors")]
 
 
+def mixed_precision(device) -> bool:
+    """Whether FSDP2 computes in bf16 (and frozen weights are kept in it): on CUDA; the CPU lane computes in fp32.
+    (One place, so a CPU test can run the GPU's dtype path.)"""
+    return device.type == "cuda"
+
+
 def apply_fsdp(model, device, offload=False):
     """FSDP2: the vision tower as one unit, then each decoder layer, then the root. A model built on the meta
     device (load_model(meta=True)) gets only this rank's shards allocated, uninitialised: load_weights fills them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
-    if device.type == "cuda":
+    if mixed_precision(device):
         # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
@@ -696,12 +702,17 @@ def load_sharded(path, device, attn_implementation, gradient_checkpointing=False
     """The model in `path`, sharded with FSDP2, without any rank ever holding all of it: built on the meta device,
     wrapped by apply_fsdp (only this rank's shards allocated), then filled from the safetensors (load_weights).
     `lora` (a peft LoraConfig, lora_config()): adapters injected before sharding, so each lives in its layer's FSDP2
-    unit and the units stay those of full fine-tuning; everything else frozen; the adapters initialised by init_lora."""
+    unit and the units stay those of full fine-tuning; everything else frozen; the adapters initialised by init_lora
+    and kept in fp32 whatever `dtype` the frozen base has."""
     model = load_model(path, device, attn_implementation, gradient_checkpointing, dtype, meta=True)
     if freeze_vision_tower:
         model.model.visual.requires_grad_(False)
     if lora is not None:
         add_lora(model, lora)
+        # The adapters train in fp32 (AdamW steps of lr 1e-6 vanish in bf16) beside a base that may be bf16: FSDP2
+        # asks one dtype of a unit's trainable parameters only, and gathers both in bf16 for compute on GPU
+        for layer in lora_layers(model).values():
+            layer.lora_A.float(), layer.lora_B.float()
     apply_fsdp(model, device, offload)
     load_weights(model, path, device)
     if lora is not None:
@@ -735,20 +746,24 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
 
     With LoRA (actor.lora_rank > 0) the reference is the policy itself: its frozen base is the initial policy, so the
     reference log-probs are the policy's with the adapters switched off (adapters_disabled), and no second model is
-    loaded. The caller tells the two apart by identity (`ref_model is model`)."""
+    loaded. The caller tells the two apart by identity (`ref_model is model`). Nothing updates that base either, so
+    it is kept in the compute dtype too, and only the adapters in fp32."""
     lora = lora_config(actor) if actor.lora_rank > 0 else None
+    compute_dtype = torch.bfloat16 if mixed_precision(device) else torch.float32
+    # With LoRA nothing updates the base: it needs no fp32 master copy, only the adapters do (half the weights' memory
+    # on GPU; FSDP2 gathers both in bf16 for compute, as it gathers the fp32 masters of full fine-tuning)
     model = load_sharded(
         actor.model_path, device, actor.attn_implementation, actor.gradient_checkpointing,
-        freeze_vision_tower=actor.freeze_vision_tower, lora=lora,
+        dtype=compute_dtype if lora is not None else torch.float32, freeze_vision_tower=actor.freeze_vision_tower,
+        lora=lora,
     )  # fmt: skip
     root_forward(model, pad_id)
     ref_model = None
     if with_reference and lora is not None:
         ref_model = model
     elif with_reference:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         ref_model = load_sharded(
-            actor.model_path, device, actor.attn_implementation, dtype=dtype, offload=actor.ref_offload
+            actor.model_path, device, actor.attn_implementation, dtype=compute_dtype, offload=actor.ref_offload
         )
         ref_model.requires_grad_(False).eval()
         root_forward(ref_model, pad_id)

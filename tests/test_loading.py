@@ -114,3 +114,66 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_
     actor.lora_target_modules = ["q_proj"]  # the decoder layers alone are fine
     model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
     assert sorted({n.rsplit(".", 4)[-4] for n, p in model.named_parameters() if p.requires_grad}) == ["q_proj"]
+
+
+def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tmp_path, monkeypatch):
+    """The GPU's dtype path, run on CPU (FSDP2's bf16 mixed precision over gloo): with LoRA the frozen base is kept
+    in bf16 (nothing updates it) and only the adapters in fp32. Guards against that changing what is computed --
+    log-probs, reference log-probs (adapters off) and the adapters' gradients must be bitwise those of the fp32-master
+    base, which FSDP2 casts to the same bf16 -- against adapters left in bf16 (an AdamW update of lr 1e-6 would
+    vanish) or gradients reduced in bf16, and against an export whose merged weights' bytes disagree with its header
+    (the merge computes in fp32 on a bf16 base)."""
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor
+
+    import checkpoint
+    import rollout
+    import train_grpo
+    from tests.test_packing import _mixed_batch
+
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    targets = ["q_proj", "v_proj", "down_proj", "visual.qkv", "lm_head"]
+    actor = train_grpo.ActorConfig(model_path=tiny_model_dir, lora_rank=8, attn_implementation="sdpa",
+                                   lora_target_modules=targets)  # fmt: skip
+    cpu, load_sharded = torch.device("cpu"), models.load_sharded
+    monkeypatch.setattr(models, "mixed_precision", lambda device: True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    results = {}
+    try:
+        for base in (torch.float32, torch.bfloat16):
+            if base == torch.float32:  # what LoRA loaded before: fp32 masters of the frozen base
+                monkeypatch.setattr(models, "load_sharded", lambda *a, dtype, **k: load_sharded(*a, **k))
+            model, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
+            monkeypatch.setattr(models, "load_sharded", load_sharded)
+            assert ref is model
+            dtypes = {(models.is_lora_factor(n), p.dtype) for n, p in model.named_parameters()}
+            assert dtypes == {(False, base), (True, torch.float32)}
+            g = torch.Generator().manual_seed(1)  # adapters that do something (B = 0 at init)
+            for layer in models.lora_layers(model).values():
+                b = layer.lora_B[models.LORA_ADAPTER].weight
+                models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
+            inputs, ids, mask = rollout.pack(*_mixed_batch(processor, model.config.image_token_id),
+                                             model.config.image_token_id)  # fmt: skip
+            logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+            (logp * mask).sum().backward()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            assert grads and {g.dtype for g in grads.values()} == {torch.float32}
+            with torch.no_grad(), models.adapters_disabled(model):
+                ref_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+            models.reshard(model)
+            checkpoint.save_hf(model, processor, str(tmp_path / str(base)))
+            results[base] = logp.detach(), ref_logp, grads
+    finally:
+        dist.destroy_process_group()
+    (logp32, ref32, grads32), (logp16, ref16, grads16) = results[torch.float32], results[torch.bfloat16]
+    assert not torch.equal(logp16, ref16)  # the adapters act
+    assert torch.equal(logp16, logp32) and torch.equal(ref16, ref32)
+    assert grads16.keys() == grads32.keys() and all(torch.equal(grads16[n], grads32[n]) for n in grads32)
+    # the merged export: the fp32 base's is the base + delta in fp32; the bf16 base's the same rounded to bf16
+    merged32 = load_file(tmp_path / str(torch.float32) / "model.safetensors")
+    merged16 = load_file(tmp_path / str(torch.bfloat16) / "model.safetensors")
+    base = load_file(f"{tiny_model_dir}/model.safetensors")
+    for key in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+        assert merged16[key].dtype == torch.bfloat16, key
+        torch.testing.assert_close(merged16[key], merged32[key].to(torch.bfloat16), rtol=0, atol=1e-2, msg=key)
+        assert torch.equal(merged32[key], base[key]) == key.endswith("layernorm.weight"), key  # merged where adapted

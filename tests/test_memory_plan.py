@@ -289,7 +289,7 @@ def test_lora_plan_term_by_term():
     adapters = 28 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # q, k, v, o, gate, up, down
     assert adapters == 20_185_088
     update = lora["update"]
-    assert update["params"] == pytest.approx(4 * (P_7B + adapters) / 8)  # the frozen base stays, in fp32
+    assert update["params"] == pytest.approx((2 * P_7B + 4 * adapters) / 8)  # a bf16 base, fp32 adapters
     assert update["grads"] == pytest.approx(4 * adapters / 8) and update["adam"] == pytest.approx(8 * adapters / 8)
     assert update["reference"] == 0 and lora["log-probs"]["gathered"] == full["update"]["gathered"]
     assert update["grads in flight"] == pytest.approx(6 * adapters / 28)  # one layer's adapters, bf16 + fp32
