@@ -20,16 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from models import (
-    LORA_ADAPTER,
-    add_lora,
-    base_name,
-    is_lora_factor,
-    load_model,
-    lora_delta,
-    merged_parameters,
-    reshard,
-)
+from lora import LORA_ADAPTER, add_lora, base_name, is_lora_factor, lora_delta, merged_parameters
+from models import load_model, reshard
 from runtime import print0, resolve_path
 
 
@@ -308,7 +300,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     if lora:  # the checkpoint holds the adapters: the base model's weights, with them on top
         from types import SimpleNamespace
 
-        from models import lora_config
+        from lora import lora_config
 
         model = load_model(model_path, torch.device("cpu"), "sdpa")
         add_lora(model, lora_config(SimpleNamespace(**{**cfg["actor"], "model_path": model_path})))

@@ -1,14 +1,14 @@
 """The policy as a network: loading, FSDP2 wrapping, packed attention and the log-prob forward.
 
-- load_sharded (load_model(meta=True) / apply_fsdp / load_weights): a Qwen2.5-VL built on the meta device, sharded
+- load_sharded (load_model(meta=True) / apply_fsdp / load_weights): the model built on the meta device, sharded
   with FSDP2 (vision tower as one unit, each decoder layer, the root), and each rank's shards read from the
   safetensors, so no rank ever holds the whole model; root_forward / reshard: the two FSDP2 quirks the loop has to
   work around. load_model alone is from_pretrained, for tests and benches.
 - load_policy_and_reference: the trainable policy (fp32 master weights) and the frozen reference (compute dtype),
-  ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters and the reference is the policy
-  itself with its adapters switched off (adapters_disabled), so no second model is loaded.
-- merged_parameters / lora_delta: the weights as a plain model names them, LoRA merged in (base + scale B A), for the
-  weight sync and the export.
+  ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters (lora.py) and the reference is
+  the policy itself with its adapters switched off (lora.adapters_disabled), so no second model is loaded.
+- FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL and Qwen3.5 (one small table); the start-up checks that a
+  checkpoint is one of them, whole (unsupported_model).
 - sdpa_packed and packed_position_ids: attention and mRoPE positions that keep a packed row's sequences apart.
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
@@ -19,7 +19,6 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from lora import LORA_ADAPTER, add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Log-probs of sampled tokens from logits or, chunk by chunk, from the last hidden states and the LM head weight.
@@ -768,132 +769,3 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
         ref_model.requires_grad_(False).eval()
         root_forward(ref_model, pad_id)
     return model, ref_model
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# LoRA (actor.lora_rank > 0) with PEFT. The adapters go into the model in place (inject_adapter_in_model, no PeftModel
-# wrapper), so the model keeps its class, config and module paths, and FSDP2 wraps the same units as without them.
-# PEFT renames a wrapped linear's weight `q_proj.weight` -> `q_proj.base_layer.weight` and adds
-# `q_proj.lora_A.default.weight` (r, in) and `q_proj.lora_B.default.weight` (out, r); its output is
-# base(x) + scale * B(A(dropout(x))), scale = lora_alpha / lora_rank.
-
-LORA_ADAPTER = "default"  # PEFT's name of the one adapter
-
-
-def lora_target_regex(targets) -> str:
-    """actor.lora_target_modules -> the regex PEFT matches against whole module names. A plain name (`q_proj`) is a
-    module of the language model's decoder layers; `visual.NAME` one of the vision tower (`visual.qkv`): the tower
-    has modules named like the language model's (its MLP's gate_proj/up_proj/down_proj) and stays frozen unless
-    named this way; `lm_head` the output head."""
-    text = [re.escape(t) for t in targets if not t.startswith("visual.") and t != "lm_head"]
-    vision = [re.escape(t[len("visual.") :]) for t in targets if t.startswith("visual.")]
-    parts = [rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{'|'.join(text)})"] if text else []
-    parts += [rf"model\.visual\.(?:.*\.)?(?:{'|'.join(vision)})"] if vision else []
-    parts += ["lm_head"] if "lm_head" in targets else []
-    return "|".join(parts)
-
-
-def lora_config(actor):
-    """The peft LoraConfig of the config's actor section."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=actor.lora_rank, lora_alpha=actor.lora_alpha, lora_dropout=actor.lora_dropout,
-        target_modules=lora_target_regex(actor.lora_target_modules), base_model_name_or_path=actor.model_path,
-    )  # fmt: skip
-
-
-def add_lora(model, config):
-    """Inject the adapters (on the meta device too: init_lora fills them after loading) and freeze all else."""
-    from peft import inject_adapter_in_model
-
-    if re.fullmatch(config.target_modules, "lm_head") and model.lm_head.weight is model.get_input_embeddings().weight:
-        # the head is the embedding: a merged export (one tensor for both) could not hold the head's update alone
-        raise ValueError("actor.lora_target_modules: lm_head is tied to the input embeddings in this model")
-
-    inject_adapter_in_model(config, model, adapter_name=LORA_ADAPTER)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_lora_factor(name))
-    return model
-
-
-def is_lora_factor(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def base_name(name: str) -> str:
-    """A parameter's name in the plain model: PEFT's `.base_layer` dropped."""
-    return name.replace(".base_layer.", ".")
-
-
-def lora_layers(model) -> dict:
-    """{module name: PEFT LoRA layer} of the model; empty without LoRA."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and LORA_ADAPTER in m.lora_A}
-
-
-@torch.no_grad()
-def init_lora(model, seed=0):
-    """LoRA's initialisation, the same on every rank and in every run: A uniform in +-1/sqrt(in) (PEFT's default,
-    kaiming-uniform with a = sqrt(5)) from one seeded generator walked in module order, B zero, so the adapted
-    model starts as the base. Each rank copies its own rows of the full A (FSDP2's dim-0 shards)."""
-    g = torch.Generator().manual_seed(seed)
-    for layer in lora_layers(model).values():
-        a, b = layer.lora_A[LORA_ADAPTER].weight, layer.lora_B[LORA_ADAPTER].weight
-        bound = a.shape[1] ** -0.5
-        copy_own_rows(a, torch.empty(a.shape).uniform_(-bound, bound, generator=g))
-        copy_own_rows(b, torch.zeros(b.shape))
-
-
-@torch.no_grad()
-def copy_own_rows(p, full):
-    """Copy a full tensor's value into a parameter, sharded (FSDP2: this rank's dim-0 rows) or not."""
-    from torch.distributed.tensor import DTensor
-
-    local, start = p, 0
-    if isinstance(p, DTensor):
-        local = p.to_local()
-        start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
-    local.copy_(full[start : start + local.shape[0]])
-
-
-@contextlib.contextmanager
-def adapters_disabled(model):
-    """The model with its LoRA adapters switched off: the frozen base, i.e. the reference policy."""
-    # PEFT's own switch, enable_adapters(), also sets requires_grad on the adapters, which FSDP2 copies into the
-    # unsharded parameters it reuses: after one reference forward the adapters of the root unit (lm_head) got no
-    # gradient any more. So flip only the flag PEFT's forward reads.
-    layers = lora_layers(model).values()
-    for layer in layers:
-        layer._disable_adapters = True
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer._disable_adapters = False
-
-
-def full_tensor(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-@torch.no_grad()
-def lora_delta(layer) -> torch.Tensor:
-    """scale * B @ A of a LoRA layer, the full (out, in) update of its base weight. Collective under FSDP2 (it
-    all-gathers both factors: small, rank x (in + out))."""
-    a, b = full_tensor(layer.lora_A[LORA_ADAPTER].weight), full_tensor(layer.lora_B[LORA_ADAPTER].weight)
-    return (b @ a) * layer.scaling[LORA_ADAPTER]
-
-
-def merged_parameters(model):
-    """[(name, parameter, LoRA layer or None)]: the model's parameters under the plain model's names (PEFT's
-    `.base_layer` dropped, the LoRA factors left out). A LoRA-adapted weight comes with its layer: its value is the
-    parameter plus lora_delta(layer). Without LoRA: named_parameters() with None."""
-    layers = lora_layers(model)
-    out = []
-    for name, p in model.named_parameters():
-        if is_lora_factor(name):
-            continue
-        module, _, leaf = name.rpartition(".")
-        layer = layers.get(module.removesuffix(".base_layer")) if leaf == "weight" else None
-        out.append((base_name(name), p, layer))
-    return out

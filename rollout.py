@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+import lora
 import models
 
 
@@ -411,19 +412,19 @@ class VLLMEngine:
         biases too). A level-2 sleep discards the engine's weights: then every one, every time."""
         self._wake(["weights"])
         t0 = time.perf_counter()
-        params = models.merged_parameters(model)  # parameters only: see the class docstring on buffers
+        params = lora.merged_parameters(model)  # parameters only: see the class docstring on buffers
         if self.synced and self.sleep_level != 2 and any(layer is not None for _, _, layer in params):
             changed = {name.rsplit(".", 2)[0] for name, p, layer in params if layer is not None or p.requires_grad}
             params = [x for x in params if x[0].rsplit(".", 2)[0] in changed]
 
         def weights():
-            for name, param, lora in params:
-                if lora is None:
+            for name, param, layer in params:
+                if layer is None:
                     # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
                     shard = param.detach().to(self.dtype)
                     full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
-                else:  # merge in the master dtype, then cast
-                    full = (models.full_tensor(param.detach()) + models.lora_delta(lora)).to(self.dtype)
+                else:  # merged in fp32 (a bf16 base is promoted by the fp32 update), then cast
+                    full = (lora.full_tensor(param.detach()) + lora.lora_delta(layer)).to(self.dtype)
                 yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), full
 
         # With an iterator reload_weights re-runs vLLM's post-load processing (CPU repacks weights); WITHOUT one it

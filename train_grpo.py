@@ -51,11 +51,11 @@ import rollout
 from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
+from lora import adapters_disabled
 from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
 from models import (
     OWN_PACKED_ATTENTION,
     PACKED_ATTENTION,
-    adapters_disabled,
     forward_logprobs,
     load_policy_and_reference,
     reshard,

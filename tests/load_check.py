@@ -23,6 +23,7 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import checkpoint  # noqa: E402
+import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
@@ -87,7 +88,7 @@ def lora_facts(tiny, base, processor, out_dir):
     policy, ref = models.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
     facts = {"lora/ref_is_policy": ref is policy}
     trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not models.is_lora_factor(n)]
+    facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not lora.is_lora_factor(n)]
     facts["lora/trainable_params"] = sum(p.numel() for _, p in trainable)
     prompts, responses = prompts_and_responses(processor)
     samples = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
@@ -97,9 +98,9 @@ def lora_facts(tiny, base, processor, out_dir):
     old, _ = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, samples, cfg, ids, True)
     facts["lora/initial_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))
     g = torch.Generator().manual_seed(5)  # B = 0 makes the adapters a no-op: give them a value, the same on all ranks
-    for layer in models.lora_layers(policy).values():
-        b = layer.lora_B[models.LORA_ADAPTER].weight
-        models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
+    for layer in lora.lora_layers(policy).values():
+        b = layer.lora_B[lora.LORA_ADAPTER].weight
+        lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
     old, ref = train_grpo.compute_old_and_ref_logprobs(policy, ref, prompts, samples, cfg, ids, True)
     facts["lora/ref_vs_base_max_abs_diff"] = max((r - b).abs().max().item() for r, b in zip(ref, base_logp))
     facts["lora/adapted_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import lora
 import models
 from tests.launch import free_port, torchrun
 
@@ -110,9 +111,9 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_
     actor = SimpleNamespace(lora_rank=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj", "lm_head"],
                             model_path=tied)  # fmt: skip
     with pytest.raises(ValueError, match="lm_head is tied"):
-        models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+        models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     actor.lora_target_modules = ["q_proj"]  # the decoder layers alone are fine
-    model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=models.lora_config(actor))
+    model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     assert sorted({n.rsplit(".", 4)[-4] for n, p in model.named_parameters() if p.requires_grad}) == ["q_proj"]
 
 
@@ -146,19 +147,19 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
             model, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
             monkeypatch.setattr(models, "load_sharded", load_sharded)
             assert ref is model
-            dtypes = {(models.is_lora_factor(n), p.dtype) for n, p in model.named_parameters()}
+            dtypes = {(lora.is_lora_factor(n), p.dtype) for n, p in model.named_parameters()}
             assert dtypes == {(False, base), (True, torch.float32)}
             g = torch.Generator().manual_seed(1)  # adapters that do something (B = 0 at init)
-            for layer in models.lora_layers(model).values():
-                b = layer.lora_B[models.LORA_ADAPTER].weight
-                models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
+            for layer in lora.lora_layers(model).values():
+                b = layer.lora_B[lora.LORA_ADAPTER].weight
+                lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
             inputs, ids, mask = rollout.pack(*_mixed_batch(processor, model.config.image_token_id),
                                              model.config.image_token_id)  # fmt: skip
             logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
             (logp * mask).sum().backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
             assert grads and {g.dtype for g in grads.values()} == {torch.float32}
-            with torch.no_grad(), models.adapters_disabled(model):
+            with torch.no_grad(), lora.adapters_disabled(model):
                 ref_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
             models.reshard(model)
             checkpoint.save_hf(model, processor, str(tmp_path / str(base)))

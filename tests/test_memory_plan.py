@@ -95,18 +95,18 @@ def test_lora_count_equals_the_adapters_peft_injects(name, targets):
     """Guards against a LoRA plan that counts the wrong modules (the tower's gate/up/down_proj, which share the
     decoder's names, only when `visual.` names them; the patch embedding's Conv3d, also named proj; Qwen3.5's
     linear-attention projections; the deepstack mergers' linear_fc1) or the wrong widths (Qwen3.5's gated q_proj):
-    the adapters PEFT puts on transformers' model through models.lora_config have exactly the counted parameters,
+    the adapters PEFT puts on transformers' model through lora.lora_config have exactly the counted parameters,
     per FSDP2 unit and in total."""
     from transformers import AutoModelForImageTextToText
 
-    import models
+    import lora
 
     s = KNOWN_SHAPES[name]
     actor = train_grpo.ActorConfig(model_path=name, lora_rank=8, lora_target_modules=targets)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(transformers_config(s))
-    models.add_lora(model, models.lora_config(actor))
-    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if models.is_lora_factor(n))  # noqa: E731
+    lora.add_lora(model, lora.lora_config(actor))
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if lora.is_lora_factor(n))  # noqa: E731
     counts = memory_plan.lora_params(s, 8, targets)
     assert counts["total"] == adapters(model) > 0
     assert counts["layer"] == max(adapters(layer) for layer in model.model.language_model.layers)

@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
@@ -67,9 +68,9 @@ def count_vision_tokens(samples, vision_ids):
 def perturb_adapters(model, seed):
     """Give the LoRA adapters a value (B = 0 makes them a no-op), the same on every rank."""
     g = torch.Generator().manual_seed(seed)
-    for layer in models.lora_layers(model).values():
-        b = layer.lora_B[models.LORA_ADAPTER].weight
-        models.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.5)
+    for layer in lora.lora_layers(model).values():
+        b = layer.lora_B[lora.LORA_ADAPTER].weight
+        lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.5)
 
 
 def record_synced_names(engine, names):
@@ -87,7 +88,7 @@ def record_synced_names(engine, names):
 
 def main():
     model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    lora = sys.argv[4:] == ["lora"]
+    with_lora = sys.argv[4:] == ["lora"]
     rank, world, device = runtime.setup_distributed()
     from transformers import AutoProcessor
 
@@ -97,15 +98,15 @@ def main():
         "rollout.engine=vllm", f"actor.model_path={model_dir}", f"rollout.tensor_parallel_size={tp}",
         f"data.min_pixels={MIN_PIXELS}", f"data.max_pixels={MAX_PIXELS}", "data.max_prompt_length=512",
         "data.max_response_length=16", f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_num_seqs=256",
-        *(["actor.lora_rank=8", "actor.lora_target_modules=[q_proj,down_proj,visual.qkv]"] if lora else []),
+        *(["actor.lora_rank=8", "actor.lora_target_modules=[q_proj,down_proj,visual.qkv]"] if with_lora else []),
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
 
     model = models.load_model(model_dir, device, "sdpa")
-    if lora:  # the base stays the checkpoint's: only the adapters make the trainer differ from it
-        models.add_lora(model, models.lora_config(cfg.actor))
-        models.init_lora(model)
+    if with_lora:  # the base stays the checkpoint's: only the adapters make the trainer differ from it
+        lora.add_lora(model, lora.lora_config(cfg.actor))
+        lora.init_lora(model)
         perturb_adapters(model, 123)
     else:
         with torch.no_grad():  # the same perturbation on every rank: the trainer now differs from the checkpoint
@@ -128,7 +129,7 @@ def main():
 
     engine.wake()
     engine.sync_weights(model)
-    if lora:  # an update changes the adapters; the next sync resends only what they touch
+    if with_lora:  # an update changes the adapters; the next sync resends only what they touch
         perturb_adapters(model, 456)
         synced = []
         record_synced_names(engine, synced)
