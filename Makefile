@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test demo bench lint tiny-assets clean
+.PHONY: venv test demo demo-lora bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -30,6 +30,13 @@ tiny-assets: venv
 
 demo: tiny-assets
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml
+
+# the demo with rank-8 LoRA adapters (README "LoRA": the tiny random model's frozen head caps the toy reward, so the
+# head is adapted too)
+demo-lora: tiny-assets
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml \
+		actor.lora_rank=8 actor.lora_alpha=16 actor.lr=3e-3 trainer.output_dir=outputs/tiny_lora \
+		"actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
 
 # vLLM vs the training-model engine on the demo's prompts (128 new tokens each), and the weight-sync time
 bench: tiny-assets
