@@ -563,7 +563,8 @@ def format_plan(plan: Plan) -> str:
     size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
     if x.lora_rank:
         adapters = lora_params(plan.shape, x.lora_rank, x.lora_targets)["total"]
-        size += f", LoRA rank {x.lora_rank}: {adapters / 1e6:.1f} M trainable"
+        size += f", LoRA rank {x.lora_rank}: " + (f"{adapters / 1e6:.1f} M" if adapters >= 1e6 else f"{adapters:,}")
+        size += " trainable"
     lines = [
         f"memory plan, GiB per GPU: {plan.model} ({size} parameters), world {x.world}, "
         f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
