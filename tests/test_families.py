@@ -227,21 +227,9 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     """Guards against a family that loads, shards and samples but does not learn: FSDP2 units that leave a part
     unsharded or untrained, a sync that silently fails (the engine keeps sampling from the initial model), packed
     positions or linear-attention state that make the trainer's log-probs of the samples wrong."""
-    from scripts.make_synthetic_data import make_geo3k_like
+    from tests.test_vllm import first_and_last, toy_run
 
-    train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=96, seed=0)
-    val = make_geo3k_like(str(tmp_path / "val.parquet"), n_rows=8, seed=1)
-    out_dir = tmp_path / "run"
-    torchrun(
-        2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={tiny_family_dir(family)}",
-        f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
-        "trainer.max_steps=20", "trainer.val_freq=0", "actor.lr=3e-3",
-    )  # fmt: skip
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["step"] > 0]
-    assert [r["step"] for r in train_rows] == list(range(1, 21))
-    first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
-    last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
+    first, last = first_and_last(toy_run(tiny_family_dir(family), tmp_path, "trainer.val_freq=0"))
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
 

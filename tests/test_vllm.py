@@ -113,31 +113,44 @@ LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2",
         "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]  # fmt: skip
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_path, lora):
-    """Guards against a vLLM loop that runs but does not learn (a sync that silently fails leaves the engine
-    sampling from the initial model) or whose samples are not the trainer's (logprob_diff). With LoRA: against
-    adapters that stop learning (a gradient lost after the reference forwards), later syncs that skip what changed,
-    and a final export that is not the merged model or has no adapter directory beside it."""
+def toy_run(model_dir, tmp_path, *overrides):
+    """20 steps of configs/tiny.yaml (the toy reward) on 2 ranks with vLLM, into tmp_path/run; metrics.jsonl's rows of
+    the 20 training steps."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=96, seed=0)
     val = make_geo3k_like(str(tmp_path / "val.parquet"), n_rows=8, seed=1)
     out_dir = tmp_path / "run"
     torchrun(
-        2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={tiny_model_dir}",
+        2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
-        "trainer.max_steps=20", "trainer.val_freq=10", "actor.lr=3e-3", *(LORA if lora else []),
+        "trainer.max_steps=20", "actor.lr=3e-3", *overrides,
     )  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in train_rows] == list(range(1, 21))
+    return train_rows
+
+
+def first_and_last(train_rows):
+    """Mean reward/overall of the first and of the last 5 steps."""
+    mean = lambda rows: sum(r["reward/overall"] for r in rows) / len(rows)  # noqa: E731
+    return mean(train_rows[:5]), mean(train_rows[-5:])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_path, lora):
+    """Guards against a vLLM loop that runs but does not learn (a sync that silently fails leaves the engine
+    sampling from the initial model) or whose samples are not the trainer's (logprob_diff). With LoRA: against
+    adapters that stop learning (a gradient lost after the reference forwards), later syncs that skip what changed,
+    and a final export that is not the merged model or has no adapter directory beside it."""
+    train_rows = toy_run(tiny_model_dir, tmp_path, "trainer.val_freq=10", *(LORA if lora else []))
     for key in ("time/weight_sync", "time/wake", "time/sleep", "perf/rollout_tokens_per_s"):
         assert all(key in r for r in train_rows), key
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in train_rows)
-    first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
-    last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
+    first, last = first_and_last(train_rows)
     assert last >= first + 0.2, (first, last)
+    out_dir = tmp_path / "run"
     if lora:  # the merged model in the checkpoint's names: the adapted weights moved, the frozen ones did not
         from safetensors.torch import load_file
 
