@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
@@ -27,6 +26,7 @@ import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from tests.test_packing import _mixed_batch  # noqa: E402
 
 
 def mismatches(model, reference):
@@ -42,28 +42,10 @@ def mismatches(model, reference):
 
 
 def packed_batch(processor):
-    """One prompt with an image and one without, responses of uneven lengths, packed into one row."""
-    prompts, responses = prompts_and_responses(processor)
-    inputs, response_ids, _ = rollout.pack(
-        prompts, responses, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    )
+    """tests/test_packing.py's mixed prompts (with and without images) and uneven responses, packed into one row."""
+    image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    inputs, response_ids, _ = rollout.pack(*_mixed_batch(processor, image_token_id), image_token_id)
     return inputs, response_ids
-
-
-def prompts_and_responses(processor):
-    prompts = []
-    for i in range(2):
-        img = Image.new("RGB", (84, 56), "white")
-        ImageDraw.Draw(img).line((0, 0, 40, 50), fill="black", width=3)
-        content = [{"type": "text", "text": "Find x. " * (i + 1)}]
-        if i == 0:
-            content.insert(0, {"type": "image"})
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        out = processor(text=[text], images=None if i else [img], return_tensors="pt")
-        prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), []))
-    g = torch.Generator().manual_seed(0)
-    responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 4)]
-    return prompts, responses
 
 
 def read_export(out_dir):
@@ -90,7 +72,7 @@ def lora_facts(tiny, base, processor, out_dir):
     trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
     facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not lora.is_lora_factor(n)]
     facts["lora/trainable_params"] = sum(p.numel() for _, p in trainable)
-    prompts, responses = prompts_and_responses(processor)
+    prompts, responses = _mixed_batch(processor, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
     samples = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
     ids = (pad_id, policy.config.image_token_id)
     policy.eval()
