@@ -474,15 +474,15 @@ def family_of(path: str) -> Family:
     return FAMILIES[model_type]
 
 
-def processor_problem(path: str) -> str | None:
-    """None if the checkpoint's processor fits images to its family's side (Family.image_side), else why not: a
+def processor_problem(path: str, want: int) -> str | None:
+    """None if the checkpoint's processor fits images to its family's side (`want`, Family.image_side), else why not: a
     processor of another family beside the weights (a Qwen2.5-VL preprocessor_config.json with Qwen3-VL weights)
     would make image tokens that the vision tower cannot produce."""
     from transformers import AutoImageProcessor
 
     from data import image_side
 
-    side, want = image_side(AutoImageProcessor.from_pretrained(path)), family_of(path).image_side
+    side = image_side(AutoImageProcessor.from_pretrained(path))
     if side != want:
         return f"its image processor fits images to {side} px (patch x merge), its model family's tower to {want}"
     return None
@@ -513,7 +513,7 @@ def unsupported_model(path: str) -> str | None:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
     _keep_checkpoint_renaming(model, path)
-    return tensor_name_problem(model, path) or processor_problem(path)
+    return tensor_name_problem(model, path) or processor_problem(path, family(model).image_side)
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
