@@ -421,8 +421,7 @@ class VLLMEngine:
             for name, param, layer in params:
                 if layer is None:
                     # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
-                    shard = param.detach().to(self.dtype)
-                    full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+                    full = lora.full_tensor(param.detach().to(self.dtype))
                 else:  # merged in fp32 (a bf16 base is promoted by the fp32 update), then cast
                     full = (lora.full_tensor(param.detach()) + lora.lora_delta(layer)).to(self.dtype)
                 yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), full
