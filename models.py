@@ -379,12 +379,9 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
             batch_inputs["group_sizes"], response_lens,
         )  # fmt: skip
         flat_labels = inputs["input_ids"][:, targets]  # (1, R), R = all response tokens
-        if family(model).mask_dict:  # prepared "masks": none, the row is packed (see Family.mask_dict)
-            no_mask = dict.fromkeys(model.config.text_config.layer_types)
-            extra = {"position_ids": position_ids, "attention_mask": no_mask}
-        else:
-            extra = {"position_ids": position_ids, "attention_mask": None}
-        extra["packed_layout"] = layout
+        # no mask: for one unpadded row this module's attentions build none (_register_attention), which leaves the
+        # row to the PackedLayout; flash-attention builds none either (it finds the sequences in the text positions)
+        extra = {"position_ids": position_ids, "attention_mask": None, "packed_layout": layout}
         flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
@@ -417,13 +414,8 @@ class Family:
     fsdp_units: Callable  # model -> the modules sharded as their own FSDP2 units, before the root
     # The side of one merged image token, vision patch x merge, to which data.py fits every image: 28 px for
     # Qwen2.5-VL (14 x 2), 32 px for Qwen3-VL and Qwen3.5 (16 x 2). data.py takes it from the checkpoint's processor,
-    # which resizes by that factor; load_processor stops a checkpoint whose processor says otherwise.
+    # which resizes by that factor; processor_problem stops (at start) a checkpoint whose processor says otherwise.
     image_side: int
-    # How a packed row reaches the decoder with no mask (its attention keeps the sequences apart): Qwen2.5-VL and
-    # Qwen3.5 take a dict of prepared masks, None for each layer type; Qwen3-VL's text model always builds its own
-    # mask, so it gets attention_mask=None, for which this module's attentions build none (_register_attention) and
-    # flash-attention builds none either (it finds the sequences in the text positions).
-    mask_dict: bool
     # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
     # next: run them a segment at a time (segmentwise_linear_attention).
     linear_attention: bool = False
@@ -442,9 +434,9 @@ class Family:
 # in-memory weight names transformers gives all three are the ones vLLM's loaders take (their hf_to_vllm_mapper
 # maps `model.language_model.` / `model.visual.` / `lm_head.`), so no family needs a name mapping for the sync.
 FAMILIES = {
-    "qwen2_5_vl": Family(tower_and_layers, 28, mask_dict=True),
-    "qwen3_vl": Family(tower_and_layers, 32, mask_dict=False),
-    "qwen3_5": Family(tower_and_layers, 32, mask_dict=True, linear_attention=True,
+    "qwen2_5_vl": Family(tower_and_layers, 28),
+    "qwen3_vl": Family(tower_and_layers, 32),
+    "qwen3_5": Family(tower_and_layers, 32, linear_attention=True,
                       vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
 }  # fmt: skip
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
