@@ -388,13 +388,15 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     }
     if with_vllm:
         phases["rollout"] = {**states, "grads": 0, "vllm awake": awake, "runtime": RUNTIME}
-    else:  # HF generate with the training model: its KV cache and, per decoding step, fp32 logits of every row
+    else:  # HF generate with the training model: its KV cache, and the logits of the one decoding step at hand
         phases["rollout"] = {
             **states,
             "grads": 0,
             "gathered": gathered,
             "kv cache": x.hf_rows * x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2,
-            "logits": x.hf_rows * x.response_len * s.vocab * 4,
+            # generate keeps no per-step logits unless asked (output_logits / output_scores; the HF engine asks for
+            # neither): one step's bf16 logits, their fp32 copy and the sampling probabilities, 10 bytes a logit
+            "logits": x.hf_rows * s.vocab * 10,
             "runtime": RUNTIME,
         }
     # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
@@ -462,7 +464,7 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
     if x.engine == "vllm" and x.sleep_level == 0 and fits(sleep_level=1):
         out.append(("vllm awake", "set rollout.sleep_level=1 (vLLM gives its memory back while the trainer works)"))
     if x.engine == "hf" and fits(engine="vllm"):
-        out.append(("logits", "set rollout.engine=vllm"))
+        out.append(("kv cache", "set rollout.engine=vllm"))
     world = _largest(x.world, 1 << 16, lambda v: not fits(world=v))  # the largest world that still does not fit
     if world is not None and world < 1 << 16:
         out.append(("adam", f"shard over at least {world + 1} GPUs (more nodes; now {x.world})"))
@@ -540,7 +542,7 @@ def plan_memory(cfg, world: int) -> Plan:
         tp=r.tensor_parallel_size,
         seq_len=seq_len,
         response_len=d.max_response_length,
-        hf_rows=max(d.rollout_batch_size // world * r.n, d.val_batch_size * r.val_n),
+        hf_rows=hf_rows(cfg, world),
         lora_rank=a.lora_rank,
         lora_targets=tuple(a.lora_target_modules),
     )
@@ -549,6 +551,17 @@ def plan_memory(cfg, world: int) -> Plan:
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
     return Plan(a.model_path, read_model_shape(a.model_path), settings, gpu_source, keys, host_limit)
+
+
+def hf_rows(cfg, world) -> int:
+    """The most sequences one generate call of the HF engine decodes: a rank's share of a rollout batch, or its
+    validation batch (data.val_batch_size is per rank) when the run validates, in calls of at most
+    rollout.max_num_seqs."""
+    d, r, t = cfg.data, cfg.rollout, cfg.trainer
+    rows = d.rollout_batch_size // world * r.n
+    if d.val_files and (t.val_before_train or t.val_freq > 0):
+        rows = max(rows, d.val_batch_size * r.val_n)
+    return min(rows, r.max_num_seqs)
 
 
 def _gib(b: float) -> str:
@@ -630,7 +643,8 @@ def plan_problem(plan: Plan) -> str | None:
         "vllm awake": "rollout.gpu_memory_utilization",
         "reference": "actor.ref_offload=true",
         "adam": "more GPUs, actor.freeze_vision_tower=true or actor.lora_rank",
-        "logits": "rollout.engine=vllm",
+        "kv cache": "rollout.engine=vllm or a lower rollout.max_num_seqs",
+        "logits": "rollout.engine=vllm or a lower rollout.max_num_seqs",
     }
     named = [f"{shrinks[k]} ({k})" for k, _ in sorted(parts.items(), key=lambda kv: -kv[1]) if k in shrinks]
     return head + ": no single change fits it; combine: " + ", ".join(named)

@@ -19,6 +19,8 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import re
@@ -191,12 +193,22 @@ def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **
 def varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """PyTorch's flash-attention varlen kernel, forward and backward (CUDA only; bf16/fp16). q (Lq, Hq, D), k and v
     (Lk, Hkv, D); sequence i is q rows cu_q[i]:cu_q[i+1] against k rows cu_k[i]:cu_k[i+1]. Grouped-query heads are
-    handled by the kernel itself (enable_gqa), without repeating k and v. Tests swap in a CPU reference."""
+    handled by the kernel itself, without repeating k and v. Tests swap in a CPU reference."""
     from torch.nn.attention.varlen import varlen_attn
 
     window = (-1, 0) if causal else (-1, -1)  # (-1, 0) is how varlen_attn spells causal (bottom-right aligned)
-    gqa = q.shape[1] != k.shape[1]
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window, enable_gqa=gqa)
+    kwargs = {"scale": scale, "window_size": window}
+    # torch 2.13 added enable_gqa; 2.11 has no such keyword (a TypeError at the first call). Flash-attention's varlen
+    # kernel needs only that the query heads be a multiple of the key/value heads, so without it GQA is still right.
+    if _varlen_takes_gqa(varlen_attn):
+        kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+@functools.cache
+def _varlen_takes_gqa(fn) -> bool:
+
+    return "enable_gqa" in inspect.signature(fn).parameters
 
 
 def varlen_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
@@ -314,7 +326,7 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     valid = torch.arange(width)[None] < torch.tensor([len(x) for x in parts])[:, None]  # (G, W)
     ids[valid] = torch.cat(parts)
     types = (ids == model.config.image_token_id).long()  # (G, W), as rollout.pack marks image tokens
-    device = next(model.parameters()).device
+    device = compute_device(model)
     grid = image_grid_thw.to(device) if image_grid_thw is not None else None
     valid = valid.to(device).long()
     mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), grid, attention_mask=valid)  # (3, G, W)
@@ -364,7 +376,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
     (varlen_packed or sdpa_packed keep attention inside each sequence, and a shared prompt visible to each of its
     answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
     labels = response_ids.to(device)  # (B, T)
     if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
@@ -713,10 +725,22 @@ def load_sharded(path, device, attn_implementation, gradient_checkpointing=False
     return model
 
 
+def compute_device(model) -> torch.device:
+    """The device `model`'s forwards run on. For an FSDP2 model that is its mesh's device, not where its parameters
+    live: with CPUOffloadPolicy (actor.ref_offload) the shards sit in host memory and FSDP2 moves them, and a
+    forward's tensor arguments, to the GPU; tensors a forward builds itself (labels, sequence bounds, index tensors)
+    must be created there too."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.device_type == "cpu":
+        return p.device
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def root_forward(model, pad_id):
     """FSDP2 initialises lazily at the first forward of the root; generate() calls model.visual first, which would
     make the tower its own root ("FSDP state has already been lazily initialized"). One tiny root forward fixes it."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     with torch.no_grad():
         model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=False)
     model.reshard()

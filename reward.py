@@ -23,9 +23,6 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from math_verify import parse, verify
-from mathruler.grader import grade_answer
-
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_SPEC = "reward.py:compute_score"
 BASE_KEYS = ("overall", "format", "accuracy")
@@ -194,7 +191,12 @@ def grade_symbolically(given: str, ground_truth: str) -> bool:
     "\\angle A = 48^\\circ". mathruler alone accepts "48 cm^2". Neither accepts any wrong answer in our tests.
     math_verify's own timeouts use SIGALRM, which only works in the main thread and cannot interrupt a long
     big-int operation, so they are off: RewardScorer bounds the whole call by killing its worker instead.
+    Imported here, not at the top: a machine without them (a GPU box checking the trainer with the toy reward)
+    can still import this module.
     """
+    from math_verify import parse, verify
+    from mathruler.grader import grade_answer
+
     if grade_answer(given, ground_truth):
         return True
     gold = parse(f"${ground_truth}$", parsing_timeout=None)

@@ -217,7 +217,7 @@ class HFEngine:
         prompts have images: with images on one rank and none on another the ranks fall out of step. (So the ranks'
         chunks must agree on having images, as the training forwards' micro-batches must.) A rank with no prompt at
         all borrows one from another rank."""
-        device = next(self.model.parameters()).device
+        device = models.compute_device(self.model)
         need = torch.tensor([chunks, -len(prompts)], device=device)  # MAX of both: most chunks, fewest prompts
         if world > 1:
             dist.all_reduce(need, op=dist.ReduceOp.MAX)
@@ -233,7 +233,7 @@ class HFEngine:
         """One generate call on `prompts` (one sequence each), then one no-grad forward for the log-probs of what it
         sampled. Returns (response ids cut after the first end-of-sequence token, their log-probs, truncated) per
         prompt."""
-        device = next(self.model.parameters()).device
+        device = models.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         torch.manual_seed(seed)

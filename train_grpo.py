@@ -56,6 +56,7 @@ from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan
 from models import (
     OWN_PACKED_ATTENTION,
     PACKED_ATTENTION,
+    compute_device,
     forward_logprobs,
     load_policy_and_reference,
     reshard,
@@ -757,7 +758,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     a, world = cfg.actor, dist.get_world_size()
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    device, shared = next(model.parameters()).device, shares_prefixes(a)
+    device, shared = compute_device(model), shares_prefixes(a)
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
     for start in range(0, len(all_samples), seqs_per_step):
         # this optimizer step's sequences, each with its own prompt entry so that they can move between ranks
