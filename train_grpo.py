@@ -187,6 +187,7 @@ class TrainerConfig:
     val_before_train: bool = True
     save_freq: int = 5  # checkpoint every this many steps; 0 = never
     save_limit: int = 3  # keep the newest N checkpoints; 0 keeps all
+    export_hf: bool = True  # at the end, write the model to <output_dir>/hf (LoRA: merged, + the adapter directory)
     resume: str = "auto"  # auto | none | PATH
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb; jsonl always on
     val_samples: int = 4  # validation generations written to <output_dir>/val_samples.jsonl per validation
@@ -1168,7 +1169,7 @@ def main(argv=None):
             "no checkpoint (trainer.save_freq=0)")  # fmt: skip
         name = signal.Signals(stop_signum).name
         print0(f"stopped by {name} after step {step}: {saved}; exit code {128 + stop_signum}")
-    else:
+    elif cfg.trainer.export_hf:
         save_hf(model, processor, os.path.join(cfg.trainer.output_dir, "hf"))  # with LoRA: merged, plain names
         if a.lora_rank:
             save_adapter(model, os.path.join(cfg.trainer.output_dir, "adapter"))  # PEFT's adapter format

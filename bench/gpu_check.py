@@ -1,26 +1,33 @@
 """The trainer on one GPU with a model of the real Qwen2.5-VL-3B shape, nothing downloaded: is the GPU path sound,
 and how fast is it?
 
-    python bench/gpu_check.py                   # one GPU, about 5-10 minutes; vLLM if importable, else the HF engine
-    python bench/gpu_check.py --engine hf --steps 2 --prompts 8
+    python bench/gpu_check.py --dry-run         # the memory plan of exactly the run below; exit 0 when it fits
+    python bench/gpu_check.py                   # one GPU, about 5 minutes; vLLM if importable, else the HF engine
+    python bench/gpu_check.py --lora            # the same with rank-8 LoRA adapters
+    python bench/gpu_check.py --set actor.ref_offload=true --set data.max_response_length=1024
 
 1. Builds a random Qwen2.5-VL with the 3B shape (36 layers of width 2048, the 32-block vision tower, the 151,936-row
    vocabulary) from a config written here, with the tiny test tokenizer padded to the real token count, and saves
    it in bf16 as real checkpoints are; writes Geometry3K-shaped data (scripts/make_synthetic_data.py).
 2. Runs train_grpo.main on it, one rank: the geo3k recipe's phases (rollout, reward, reference log-probs, clipped
    update with KL, weight sync) with FSDP2 in bf16, packed token-budget micro-batches through native varlen
-   attention, chunked LM-head log-probs and gradient checkpointing. The toy digit reward: a random model never
-   writes \\boxed{}, and the check is about the machinery, not learning.
-3. Compares log-probs of one packed micro-batch, plain and with shared prefixes, with the same batch padded
-   (sdpa), all in bf16.
+   attention, chunked LM-head log-probs and gradient checkpointing. Full fine-tuning of 3.75 B parameters with fp32
+   masters and AdamW does not fit one 80 GiB GPU beside the rollout (the plan says so), so the vision tower is
+   frozen (0.67 B fewer trainable parameters); the toy digit reward: a random model never writes \\boxed{}, and the
+   check is about the machinery, not learning. No final export (trainer.export_hf=false).
+3. With the run's memory freed: log-probs of one packed micro-batch, plain and with shared prefixes, against the
+   same batch padded (sdpa), all in bf16; and the vision tower's varlen path against sdpa on the same images (on
+   torch 2.14 and sm90 the tower's calls can go to cuDNN, a kernel the CPU tests never reach).
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
-of a step / step seconds, the definition of REFERENCE.md §1), model FLOPs utilisation of the training phases, peak
-GPU memory, and the packed-vs-padded agreements. Needs torch >= 2.11, transformers 5.17-5.19, safetensors, pillow,
-pyyaml, jinja2, pyarrow, mathruler and math-verify (reward.py imports them); vLLM is optional.
+of a step / step seconds, the definition of REFERENCE.md section 1), model FLOPs utilisation of the training phases,
+peak GPU memory against the plan's, and the agreements. Needs torch >= 2.11, transformers 5.17-5.19, torchvision,
+safetensors, pillow, pyyaml, jinja2, pyarrow (and peft + accelerate for --lora); vLLM and the geo3k graders are
+optional, and nothing is downloaded.
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -70,30 +77,44 @@ def qwen2_5_vl_3b_config(tokenizer):
 
 
 def build_model(out_dir):
-    """A random 3B-shaped checkpoint (bf16 safetensors, tokenizer, processor) in out_dir; returns its parameter
-    count, and that of the language model alone (with its LM head). The tokenizer is the tests' tiny BPE plus
-    placeholder tokens up to Qwen's real count, so the vocabulary, and with it the LM head and the sampling cost,
-    are the real ones."""
+    """A random 3B-shaped checkpoint (bf16 safetensors, tokenizer, processor) in out_dir (kept if it is there already,
+    so that several checks share one); returns its parameter count, that of the language model alone (with its LM
+    head) and that of the vision tower. The tokenizer is the tests' tiny BPE plus placeholder tokens up to Qwen's real
+    count, so the vocabulary, and with it the LM head and the sampling cost, are the real ones."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    tokenizer = build_tokenizer(seed=0, vocab_size=400)
-    tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(REAL_TOKENS - len(tokenizer))])
-    config = qwen2_5_vl_3b_config(tokenizer)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
-    model.generation_config = build_generation_config(tokenizer)
-    model.save_pretrained(out_dir)
-    build_processor(tokenizer).save_pretrained(out_dir)
+    if not os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")):
+        tokenizer = real_size_tokenizer()
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(
+                qwen2_5_vl_3b_config(tokenizer), dtype=torch.bfloat16
+            )
+        model.generation_config = build_generation_config(tokenizer)
+        model.save_pretrained(out_dir)
+        build_processor(tokenizer).save_pretrained(out_dir)
+        del model
+        torch.cuda.empty_cache()
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(qwen2_5_vl_3b_config(real_size_tokenizer()))
     total = sum(p.numel() for p in model.parameters())  # the tied embedding / LM head counted once
     vision = sum(p.numel() for p in model.model.visual.parameters())
-    del model
-    torch.cuda.empty_cache()
-    return total, total - vision
+    return total, total - vision, vision
+
+
+def real_size_tokenizer():
+    tokenizer = build_tokenizer(seed=0, vocab_size=400)
+    tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(REAL_TOKENS - len(tokenizer))])
+    return tokenizer
+
+
+def write_config_only(out_dir):
+    """The checkpoint's config.json alone: all that the memory plan reads (a dry run builds no weights)."""
+    qwen2_5_vl_3b_config(real_size_tokenizer()).save_pretrained(out_dir)
 
 
 def trainer_argv(model_dir, data_dir, out_dir, args):
-    """train_grpo's command line: the geo3k 3B recipe, scaled to one GPU and a few steps."""
+    """train_grpo's command line: the geo3k 3B recipe, scaled to one GPU and a few steps; --lora and --set last."""
     overrides = [
         f"actor.model_path={model_dir}", f"data.train_files={data_dir}/train.parquet", "data.val_files=",
         f"data.rollout_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts}", f"rollout.n={args.n}",
@@ -104,9 +125,42 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
         "reward.reward_fn=reward.py:digit_fraction", "reward.num_workers=2",
         f"actor.ref_offload={str(args.ref_offload).lower()}", f"trainer.max_steps={args.steps}",
         "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.resume=none",
+        "trainer.export_hf=false", "trainer.n_gpus_per_node=1",
         f"trainer.output_dir={out_dir}", "trainer.logger=[console,jsonl]",
+        # fp32 masters and AdamW for all 3.75 B parameters (60 GiB) leave too little of 80 GiB for the rollout
     ]  # fmt: skip
-    return [os.path.join(REPO, "configs/geo3k_3b.yaml"), *overrides]
+    # LoRA's default targets are the decoder's projections: the tower is frozen with the rest of the base. Full
+    # fine-tuning of all 3.75 B parameters (fp32 masters and AdamW: 56 GiB) leaves too little of 80 GiB for the
+    # rest, so the tower is frozen there too
+    overrides += ["actor.lora_rank=8", "actor.lora_alpha=16"] if args.lora else ["actor.freeze_vision_tower=true"]
+    return [os.path.join(REPO, "configs/geo3k_3b.yaml"), *overrides, *args.set]
+
+
+def memory_plan(argv):
+    """The trainer's own memory plan of the run (memory_plan.py, as train_grpo prints it at start) and the problem
+    that would stop it, or None."""
+    from memory_plan import format_plan, plan_memory, plan_problem
+
+    cfg = train_grpo.load_config(argv[0], argv[1:])
+    train_grpo.check_config(cfg, world_size=1)
+    plan = plan_memory(cfg, 1)
+    return cfg, plan, format_plan(plan), plan_problem(plan)
+
+
+def dry_run(args):
+    """Print the plan of exactly the run main() would make, on the GPU it would assume; 0 when it fits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config_only(tmp)
+        argv = trainer_argv(tmp, tmp, os.path.join(tmp, "run"), args)
+        _, _, text, problem = memory_plan(argv)
+    print("gpu check, dry run: " + " ".join(a for a in argv[1:] if not a.startswith(("actor.model_path", "data.tr"))))
+    print(text)
+    if problem:
+        print(f"does not fit: {problem}")
+        return 1
+    what = "LoRA rank 8" if args.lora else "full fine-tuning with fp32 masters, the vision tower frozen"
+    print(f"fits one GPU ({what})")
+    return 0
 
 
 def run_trainer(model_dir, data_dir, out_dir, args):
@@ -157,8 +211,42 @@ def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
         dist.destroy_process_group()
 
 
+def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
+    """Max and mean |varlen - sdpa| of the vision tower's merged image features on the same images (four of the
+    data's figures), in the compute dtype: the tower under the name that makes transformers hand it the per-image
+    and per-window bounds (models.VISION_VARLEN, one kernel call per block), against the same weights under sdpa,
+    which loops over the images and windows. Both halves of packed_vs_padded go through the same tower path, so
+    only this compares the tower's kernel with another."""
+    from transformers import AutoProcessor
+
+    from data import PromptDataset
+
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    processor = AutoProcessor.from_pretrained(model_dir)
+    dataset = PromptDataset(f"{data_dir}/train.parquet", processor, min_pixels=262144, max_pixels=4194304,
+                            format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
+    prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(4)]
+    pixels = torch.cat([p.pixel_values for p in prompts]).to(device, dtype)  # (patches, dim)
+    grid = torch.cat([p.image_grid_thw for p in prompts]).to(device)  # (4, 3)
+    model = models.load_model(model_dir, device, attention, dtype=dtype).to(device)
+    tower = model.model.visual
+    assert tower.config._attn_implementation == models.VISION_VARLEN, tower.config._attn_implementation
+    out = {}
+    with torch.no_grad():
+        for name in (models.VISION_VARLEN, "sdpa"):
+            tower.config._attn_implementation = name
+            features = tower(pixels, grid_thw=grid)
+            out[name] = getattr(features, "pooler_output", features).float()  # (image tokens, hidden)
+    diff = (out[models.VISION_VARLEN] - out["sdpa"]).abs()
+    scale = out["sdpa"].abs().mean().item()
+    del model
+    return {"max": diff.max().item(), "mean": diff.mean().item(), "mean_abs_feature": scale, "tokens": diff.shape[0]}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="print the run's memory plan; exit 0 when it fits")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="answers per prompt")
@@ -167,44 +255,68 @@ def parse_args(argv=None):
     parser.add_argument("--engine", default=default_engine, choices=["vllm", "hf"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="vLLM's share while awake")
     parser.add_argument("--ref-offload", action="store_true", help="keep the reference model in host memory")
+    parser.add_argument("--lora", action="store_true", help="rank-8 LoRA adapters instead of full fine-tuning")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override (repeat)")
+    parser.add_argument("--model-dir", default="", help="build the model here, or reuse the one built there")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (default: known)")
     return parser.parse_args(argv)
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        return dry_run(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_check.py needs a CUDA GPU")
+        raise SystemExit("bench/gpu_check.py needs a CUDA GPU (--dry-run does not)")
     out = os.environ.get("OUT") or os.path.join(REPO, "outputs", "gpu_check")
     os.makedirs(out, exist_ok=True)
     name = torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir, data_dir = os.path.join(tmp, "model"), os.path.join(tmp, "data")
+        model_dir, data_dir = args.model_dir or os.path.join(tmp, "model"), os.path.join(tmp, "data")
+        argv = trainer_argv(model_dir, data_dir, os.path.join(tmp, "run"), args)
+        write_config_only(tmp)  # the plan first: a run that cannot fit stops before minutes of building
+        cfg, plan, plan_text, problem = memory_plan([argv[0], *argv[1:], f"actor.model_path={tmp}"])
+        if problem:
+            raise SystemExit(f"{plan_text}\nthe run does not fit: {problem}")
+        phases = {k: sum(v.values()) / 2**30 for k, v in plan.numbers["phases"].items()}
         t0 = time.perf_counter()
-        n_params, n_text = build_model(model_dir)
+        n_params, n_text, n_vision = build_model(model_dir)
         make_geo3k_like(f"{data_dir}/train.parquet", n_rows=max(64, args.prompts * (args.steps + 1)), seed=0,
                         image_size=(400, 700))  # fmt: skip
-        print(f"built a random {n_params / 1e9:.2f} B-parameter Qwen2.5-VL in {time.perf_counter() - t0:.0f}s")
+        print(f"a random {n_params / 1e9:.2f} B-parameter Qwen2.5-VL ready in {time.perf_counter() - t0:.0f}s")
         torch.cuda.reset_peak_memory_stats()
         steps = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
         peak_gib = torch.cuda.max_memory_allocated() / 2**30
+        reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+        gc.collect()  # the run's model, optimizer and engine, before the comparisons load their own
+        torch.cuda.empty_cache()
+        left_gib = torch.cuda.memory_allocated() / 2**30
         agreement = packed_vs_padded(model_dir, data_dir, args.response_tokens)
+        gc.collect()
+        torch.cuda.empty_cache()
+        tower = tower_varlen_vs_sdpa(model_dir, data_dir)
 
     timed = steps[1:] or steps  # the first step pays for warm-up (allocator, kernels)
     keys = ("perf/tokens_per_s_per_device", "time/step", "time/rollout", "time/logprobs", "time/train")
     med = {k: statistics.median(s[k] for s in timed) for k in keys}
     med["tokens"] = med["perf/tokens_per_s_per_device"] * med["time/step"]  # one rank: the step's tokens
-    # Model FLOPs of the training side per step: forward + backward of the update (6 N per token) and the
-    # reference forward (2 N per token), N = the language model's parameters (its tied embedding counted once, as
-    # the LM head's matmul). Left out, so the figure errs low: the vision tower (it sees image patches only),
-    # attention's own FLOPs, and the recompute of gradient checkpointing (not model FLOPs by definition).
-    flops = med["tokens"] * (6 + 2) * n_text
+    # Model FLOPs of the training side per step, N = the language model's parameters (its tied embedding counted
+    # once, as the LM head's matmul): the update's forward and backward (6 N per token; with LoRA 4 N, the frozen
+    # base computing no weight gradients) and the reference forward (2 N). Left out, so the figure errs low: the
+    # vision tower (it sees image patches only), attention's own FLOPs, and the recompute of gradient checkpointing
+    # (not model FLOPs by definition).
+    flops = med["tokens"] * ((4 if args.lora else 6) + 2) * n_text
     train_seconds = med["time/logprobs"] + med["time/train"]
+    planned = max(phases.values())
     result = {
         "device": name,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
         "engine": args.engine,
+        "mode": "lora" if args.lora else "full (vision tower frozen)",
+        "overrides": args.set,
         "params": n_params,
         "steps": len(steps),
         "tokens_per_step": med["tokens"],
@@ -215,21 +327,36 @@ def main():
         "train_s": med["time/train"],
         "mfu_training_phases": flops / train_seconds / (peak * 1e12) if peak else None,
         "peak_gpu_memory_gib": peak_gib,
+        "peak_gpu_memory_reserved_gib": reserved_gib,
+        "planned_gib_per_phase": phases,
+        "planned_peak_gib": planned,
+        "peak_vs_plan": peak_gib / planned - 1,
+        "memory_left_after_run_gib": left_gib,
         "packed_vs_padded_logprob_diff": agreement,
+        "tower_varlen_vs_sdpa": tower,
     }
-    with open(os.path.join(out, "gpu_check.json"), "w") as f:
-        json.dump({**result, "metrics": steps}, f, indent=2)
+    tag = "lora" if args.lora else "full"
+    with open(os.path.join(out, f"gpu_check_{tag}.json"), "w") as f:
+        json.dump({**result, "metrics": steps, "plan": plan_text}, f, indent=2)
     mfu = f"{result['mfu_training_phases']:.1%}" if peak else "n/a (pass --peak-tflops)"
     print(
-        f"gpu check on {name} ({args.engine} engine, {len(steps)} steps of {args.prompts} x {args.n}):\n"
+        f"gpu check on {name} ({args.engine} engine, {result['mode']}, {len(steps)} steps of {args.prompts} x "
+        f"{args.n}; torch {result['torch']}, transformers {result['transformers']}):\n"
         f"  tokens/s per GPU {result['tokens_per_s_per_gpu']:.0f} | step {med['time/step']:.1f}s (rollout "
         f"{med['time/rollout']:.1f}s, ref log-probs {med['time/logprobs']:.1f}s, update {med['time/train']:.1f}s)\n"
-        f"  MFU of the training phases {mfu} | peak GPU memory (torch allocator) {peak_gib:.1f} GiB\n"
+        f"  MFU of the training phases {mfu}\n"
+        f"  peak GPU memory (torch allocator) {peak_gib:.1f} GiB, plan {planned:.1f} GiB "
+        f"({result['peak_vs_plan']:+.0%}); per phase planned: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+        + "\n"
         f"  log-probs vs padded ({agreement['attention']}, bf16): packed max |diff| "
         f"{agreement['packed']['max']:.3f} (mean {agreement['packed']['mean']:.4f}), shared prefix max |diff| "
-        f"{agreement['shared_prefix']['max']:.3f} (mean {agreement['shared_prefix']['mean']:.4f})"
+        f"{agreement['shared_prefix']['max']:.3f} (mean {agreement['shared_prefix']['mean']:.4f})\n"
+        f"  vision tower varlen vs sdpa ({tower['tokens']} image tokens, bf16): max |diff| {tower['max']:.3f}, "
+        f"mean {tower['mean']:.4f} (mean |feature| {tower['mean_abs_feature']:.3f})"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,8 +4,11 @@ not fixing the script: the 3B architecture it builds, and the trainer command li
 import importlib.util
 import os
 
+import pytest
 import torch
+from transformers import AutoConfig
 
+import models
 from tests.launch import REPO
 from train_grpo import check_config, load_config
 
@@ -37,13 +40,55 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     """Guards against overrides that the trainer rejects (a renamed key, a batch that does not divide) surfacing
     only after minutes of model building on a lent GPU."""
     gpu_check = load_gpu_check()
-    for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"]):
+    for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"], ["--lora"],
+                 ["--set", "actor.ref_offload=true", "--set", "data.max_response_length=64"]):  # fmt: skip
         args = gpu_check.parse_args(argv)
         path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
         cfg = load_config(path, overrides)
         check_config(cfg, world_size=1)
         assert cfg.rollout.tensor_parallel_size == 1 and cfg.trainer.max_steps == args.steps
         assert cfg.actor.max_tokens_per_micro_batch > 0 and cfg.actor.padding_free  # the packed path is what runs
+        assert not cfg.trainer.export_hf  # no 15 GB fp32 export written for nothing
+        assert cfg.actor.lora_rank == (8 if args.lora else 0) and cfg.trainer.n_gpus_per_node == 1
+    assert cfg.actor.ref_offload and cfg.data.max_response_length == 64  # --set comes last, and wins
+
+
+@pytest.mark.parametrize("argv", [[], ["--engine", "hf"], ["--lora"], ["--engine", "hf", "--lora"]])
+def test_gpu_check_dry_run_fits_one_80gb_gpu(argv, capsys, monkeypatch):
+    """Guards against a GPU check that its own trainer refuses on the GPU it is meant for (the plan once counted
+    every decode step's logits: 101 GiB for one 80 GiB GPU): the dry run, on this GPU-less machine, plans exactly
+    the run's config on one assumed 80 GiB GPU and says it fits."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_MEM_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    assert load_gpu_check().main(["--dry-run", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "world 1, 1 x 80.0 GiB per node (no GPU here: assumed)" in out and "-> fits" in out
+    assert "fits one GPU" in out and ("LoRA" in out) == ("--lora" in argv)
+    # and a run that cannot fit says so and exits non-zero
+    assert load_gpu_check().main(["--dry-run", "--set", "actor.freeze_vision_tower=false"]) == 1
+    assert "does not fit" in capsys.readouterr().out
+
+
+def test_gpu_check_tower_comparison_runs_on_cpu(tiny_model_dir, tmp_path, monkeypatch):
+    """Guards against the tower comparison itself being broken, or comparing a path with itself: on CPU with the
+    varlen kernel swapped for the per-sequence reference, the tower's one-call-per-block varlen path equals its sdpa
+    loop over images and windows (fp32), and the kernel really ran, once per block, non-causal."""
+    from scripts.make_synthetic_data import make_geo3k_like
+    from tests.test_varlen import reference_varlen
+
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        calls.append(causal)
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)
+    gpu_check = load_gpu_check()
+    diff = gpu_check.tower_varlen_vs_sdpa(tiny_model_dir, str(tmp_path), torch.device("cpu"), "varlen_packed")
+    assert diff["max"] < 1e-5 and diff["mean_abs_feature"] > 1e-3 and diff["tokens"] > 4
+    depth = AutoConfig.from_pretrained(tiny_model_dir).vision_config.depth
+    assert calls == [False] * depth
 
 
 def test_gpu_check_logprob_agreement_runs_on_cpu(tiny_model_dir, tmp_path):

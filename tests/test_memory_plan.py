@@ -279,6 +279,25 @@ def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
     )
 
 
+def test_hf_engine_plans_one_decode_step_of_at_most_max_num_seqs_rows():
+    """Guards against the HF engine's rollout counted as if generate kept every decode step's fp32 logits (rows x
+    response length x vocabulary: 101 GiB for bench/gpu_check.py's one-GPU run, which no flag could make fit), over
+    more rows than one generate call decodes (rollout.max_num_seqs), or over validation rows in a run that never
+    validates. 7B on 8 GPUs: 512 prompts x 5 answers / 8 ranks = 320 rows, cut to 256 per call."""
+    hf = NODE + ["rollout.engine=hf"]
+    s, rows = KNOWN_SHAPES["Qwen/Qwen2.5-VL-7B-Instruct"], 256
+    rollout = plan_memory(load_config("configs/geo3k.yaml", hf), 8).numbers["phases"]["rollout"]
+    assert rollout["logits"] == rows * s.vocab * 10  # one step: bf16 logits, their fp32 copy, the probabilities
+    assert rollout["kv cache"] == rows * (2048 + 2048) * 28 * 2 * 512 * 2  # bf16 keys and values, prompt + answer
+    fewer = plan_memory(load_config("configs/geo3k.yaml", hf + ["rollout.max_num_seqs=64"]), 8).numbers["phases"]
+    assert fewer["rollout"]["logits"] == 64 * s.vocab * 10
+    # validation rows (data.val_batch_size x rollout.val_n per rank) count only when the run validates
+    val = hf + ["data.rollout_batch_size=16", "data.val_batch_size=100", "actor.global_batch_size=16"]
+    with_val = plan_memory(load_config("configs/geo3k.yaml", val), 8).numbers["phases"]["rollout"]
+    without = plan_memory(load_config("configs/geo3k.yaml", val + ["data.val_files="]), 8).numbers["phases"]["rollout"]
+    assert with_val["logits"] == 100 * s.vocab * 10 and without["logits"] == 16 // 8 * 5 * s.vocab * 10
+
+
 def test_lora_plan_term_by_term():
     """Guards against a LoRA plan (issue 15) that still counts the full model's gradients and AdamW moments, or a
     reference model, or the frozen tower's activations: 7B with rank-8 adapters on the seven projections of each
@@ -354,7 +373,8 @@ def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
         (["actor.max_tokens_per_micro_batch_no_grad=400000"], "lower actor.max_tokens_per_micro_batch_no_grad"),
         (["actor.gradient_checkpointing=false"], "set actor.gradient_checkpointing=true"),
         (["rollout.sleep_level=0"], "set rollout.sleep_level=1"),
-        (["rollout.engine=hf"], "set rollout.engine=vllm"),  # HF generate keeps fp32 logits of every step
+        # HF generate's KV cache for 640 rows a call (1024 prompts x 5 / 8 ranks): 70 GiB
+        (["rollout.engine=hf", "data.rollout_batch_size=1024", "rollout.max_num_seqs=1024"], "set rollout.engine=vllm"),
         (["rollout.gpu_memory_utilization=0.05"], "raise it to >= 0.1"),  # vLLM's 7.7 GiB of weights do not fit
         # 77.1 GiB in the rollout phase, 67.5 with LoRA (no reference, AdamW moments of the adapters only)
         (["rollout.gpu_memory_utilization=0.77"], "train LoRA adapters: actor.lora_rank=8"),

@@ -294,3 +294,28 @@ def test_num_workers_below_one_is_rejected():
     """Guards against num_workers=0 (the trainer's "auto") reaching the scorer, whose score() would then never end."""
     with pytest.raises(ValueError, match="default_num_workers"):
         RewardScorer(num_workers=0)
+
+
+def test_trainer_imports_and_scores_the_toy_reward_without_the_graders():
+    """Guards against the geo3k grading libraries being a hard import: a GPU box with torch and transformers but not
+    mathruler / math-verify could not even import the trainer to run the toy reward (bench/gpu_check.py). Only the
+    geo3k grader may need them, and it says which one is missing."""
+    import subprocess
+
+    code = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("mathruler", "math_verify"):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+import train_grpo, reward
+assert reward.load_reward_fn("reward.py:digit_fraction")("12ab", "")["overall"] == 0.5
+try:
+    reward.compute_score("<think>x</think> \\\\boxed{\\\\frac{7}{2}}", "3.5")
+except ModuleNotFoundError as e:
+    print("geo3k grader:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "geo3k grader: No module named" in out.stdout, out.stdout

@@ -113,3 +113,61 @@ def test_varlen_packed_is_sdpa_off_the_packed_path(recorded_kernel):
     for s, e in ((0, 2), (2, 6)):
         alone = sdpa_attention_forward(module, q[:1, :, s:e], k[:1, :, s:e], v[:1, :, s:e], None)[0]
         torch.testing.assert_close(got[:, s:e], alone)
+
+
+def _varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                      window_size=(-1, -1)):  # fmt: skip
+    """torch 2.11's varlen_attn signature exactly (no enable_gqa); GQA as flash-attention does it, by head groups."""
+    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale)
+
+
+def _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                      num_splits=None):  # fmt: skip
+    """torch 2.13 / 2.14's signature exactly: grouped heads need enable_gqa=True."""
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale)
+
+
+@pytest.mark.parametrize("stand_in", [_varlen_attn_2_11, _varlen_attn_2_14], ids=["torch2.11", "torch2.14"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_kernel_calls_each_torch_versions_signature(monkeypatch, stand_in, causal):
+    """Guards against a keyword one supported torch lacks: torch 2.11's varlen_attn has no enable_gqa, so passing it
+    raised TypeError at the first vision-tower call of the first GPU run. models.varlen_kernel (its own name and
+    arguments are an interface) must call each version's exact signature and get the right grouped-query result."""
+    import torch.nn.attention.varlen
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", stand_in)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(7, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+    got = models.varlen_kernel(q, k, v, cu_q, cu_k, 4, 5, causal, 0.3)
+    # the grouped heads by hand: query heads 0-1 read key/value head 0, heads 2-3 head 1
+    want = reference_varlen(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu_q, cu_k, 4, 5, causal, 0.3)
+    torch.testing.assert_close(got, want)
+
+
+def test_compute_device_is_the_meshs_not_the_offloaded_shards(monkeypatch, tiny_model_dir, tiny_processor):
+    """Guards against taking a model's compute device from its parameters: FSDP2's CPUOffloadPolicy
+    (actor.ref_offload) keeps the shards in host memory while the forward runs on the mesh's GPU, and FSDP2 moves
+    only a forward's tensor arguments there, so labels, sequence bounds and index tensors built on the parameters'
+    device stopped the first offloaded GPU run. A stand-in parameter with the DTensor attributes of an offloaded
+    CUDA shard; and the packed log-prob forward takes its device from compute_device alone."""
+    from types import SimpleNamespace
+
+    offloaded = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cuda"))
+    model = SimpleNamespace(parameters=lambda: iter([offloaded]))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert models.compute_device(model) == torch.device("cuda", 1)
+    on_cpu_mesh = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cpu"))
+    assert models.compute_device(SimpleNamespace(parameters=lambda: iter([on_cpu_mesh]))) == torch.device("cpu")
+    assert models.compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")  # not sharded: where it lives
+
+    asked = []
+    monkeypatch.setattr(models, "compute_device", lambda m: asked.append(m) or torch.device("cpu"))
+    tiny = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    prompts, responses = _mixed_batch(tiny_processor, tiny.config.image_token_id)
+    packed, response_ids, _ = rollout.pack(prompts, responses, tiny.config.image_token_id)
+    with torch.no_grad():
+        models.forward_logprobs(tiny, packed, response_ids, 1.0)
+    assert asked and all(m is tiny for m in asked)  # forward_logprobs and packed_positions
