@@ -316,6 +316,7 @@ try:
 except ModuleNotFoundError as e:
     print("geo3k grader:", e)
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "geo3k grader: No module named" in out.stdout, out.stdout
