@@ -627,11 +627,14 @@ def apply_fsdp(model, device, offload=False):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
-    bf16_masters = any(p.requires_grad and p.dtype == torch.bfloat16 for p in model.parameters())
-    if mixed_precision(device) or bf16_masters:
+    if mixed_precision(device):
         # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums (with bf16 master
-        # weights, actor.master_dtype=bf16, FSDP2 then casts each reduced shard back to bf16, also on CPU)
+        # weights, actor.master_dtype=bf16, FSDP2 then casts each reduced shard back to bf16)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif any(p.requires_grad and p.dtype == torch.bfloat16 for p in model.parameters()):
+        # bf16 masters on the CPU lane, which computes in fp32 (bf16 matmuls are slow on most CPUs): gathered into
+        # fp32, gradients reduced in fp32, each shard's cast back to bf16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in family(model).fsdp_units(model):

@@ -1023,7 +1023,7 @@ def check_memory(cfg, world, dry_run):
     """The per-GPU memory plan (memory_plan.py), printed by a dry run. ConfigError, naming the key to change, when
     it does not fit on the GPUs, or cannot be made for them; None for a CPU run whose model it cannot read."""
     try:
-        plan = plan_memory(cfg, world)
+        plan = plan_memory(cfg, world, host_run=not (dry_run or torch.cuda.is_available()))
     except PlanError as e:
         if dry_run or torch.cuda.is_available():
             raise ConfigError(str(e)) from None

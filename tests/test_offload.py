@@ -45,7 +45,8 @@ def _moments(optimizer):
 def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_model_dir, one_rank_group, master_dtype):
     """Guards against an offload that loses or changes state: every parameter shard and AdamW moment must come back
     bitwise, in new storage each way (a no-op move would hide a GPU path that never frees anything), and a step
-    after the round trip must give exactly the weights of a twin that never moved. That catches FSDP2 still
+    after the round trip (the moments brought in for it by the step hooks, and sent out again) must give exactly the
+    weights of a twin that never moved. That catches FSDP2 still
     all-gathering from the old shard storage, gradients landing on a stale parameter, or the optimizer updating a
     moment that is no longer the one it reads."""
     cpu = torch.device("cpu")
@@ -85,10 +86,14 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
         assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
         assert t.untyped_storage().data_ptr() != away[name].untyped_storage().data_ptr(), name
     for (key, old), (_, new) in zip(moments, _moments(optimizer)):
-        assert torch.equal(new, old), key
+        assert torch.equal(new, old), key  # still in host memory: they come to the device for the step alone
 
+    stored = _moments(optimizer)
     torch.manual_seed(5)  # the same stochastic rounding draws for both (bf16)
     _train_step(model, optimizer, seed=2)
+    # the step hooks brought them in and sent the new ones out again: new storage, not the old moments updated
+    assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+               for (_, old), (_, v) in zip(stored, _moments(optimizer)))  # fmt: skip
     torch.manual_seed(5)
     _train_step(twin, twin_optimizer, seed=2)
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
