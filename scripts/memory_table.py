@@ -47,7 +47,7 @@ def cell(config, overrides):
     share = re.search(r"vllm share up to ([0-9.]+) of the GPU fits", out)
     if code != 0 and share:
         code, out = dry_run(config, [*overrides, f"rollout.gpu_memory_utilization={share.group(1)}"])
-    peak = re.search(r"peak\s+([0-9.]+) \((\S+)\)", out)
+    peak = re.search(r"peak\s+([0-9.]+) \(([^)]+)\)", out)
     util = re.findall(r"gpu_memory_utilization, now ([0-9.]+)", out)
     if code == 0:
         return f"{peak.group(1)} ({util[0] if util else '0.6'})"
