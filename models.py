@@ -4,7 +4,7 @@
   with FSDP2 (vision tower as one unit, each decoder layer, the root), and each rank's shards read from the
   safetensors, so no rank ever holds the whole model; root_forward / reshard: the two FSDP2 quirks the loop has to
   work around. load_model alone is from_pretrained, for tests and benches.
-- load_policy_and_reference: the trainable policy (fp32 master weights) and the frozen reference (compute dtype),
+- load_policy_and_reference: the trainable policy (master weights in actor.master_dtype) and the frozen reference,
   ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters (lora.py) and the reference is
   the policy itself with its adapters switched off (lora.adapters_disabled), so no second model is loaded.
 - FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL and Qwen3.5 (one small table); the start-up checks that a

@@ -33,8 +33,9 @@ def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of `t` on `device`, never `t` itself (pinned host memory when copying off a CUDA device). A DTensor
     stays a DTensor of the same mesh and placements, its local shard moved."""
     if isinstance(t, DTensor):
-        local = moved(t.to_local(), device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        # Built as FSDP2 builds its own CPU-offloaded shards (_fsdp_common._from_local_no_grad): DTensor.from_local
+        # would move a host copy straight back to the mesh's device (torch 2.11-2.14 convert to its device_type)
+        return DTensor(moved(t.to_local(), device), t._spec, requires_grad=t.requires_grad)
     pin = device.type == "cpu" and t.device.type == "cuda"
     out = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
     out.copy_(t, non_blocking=pin or device.type == "cuda")
