@@ -763,9 +763,9 @@ def reshard(*models):
 def load_policy_and_reference(actor, device, with_reference, pad_id):
     """The trainable policy (master weights in actor.master_dtype: fp32, or bf16 for optim.AdamWBF16) and, when the
     KL needs one, the frozen reference (the same checkpoint, in the compute dtype: bf16 on GPU, fp32 on CPU; it is
-    never updated, so it needs no fp32 copy), both
-    sharded and past their first root forward. `actor` is the config's actor section. Each rank holds its shards of
-    the two models and, while loading, one slice of a weight at a time (load_sharded).
+    never updated, so it needs no fp32 copy), both sharded and past their first root forward. `actor` is the config's
+    actor section. Each rank holds its shards of the two models and, while loading, one slice of a weight at a time
+    (load_sharded).
 
     With LoRA (actor.lora_rank > 0) the reference is the policy itself: its frozen base is the initial policy, so the
     reference log-probs are the policy's with the adapters switched off (adapters_disabled), and no second model is

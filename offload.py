@@ -3,15 +3,17 @@
 During the rollout the policy's shards (and the reference's) and AdamW's moments are idle, yet on the GPU they
 would sit beside vLLM's KV cache: 16 bytes a parameter / world with fp32 masters (15.5 GiB per GPU for 7B on 8).
 `TrainerOffload.offload` copies them to pinned host memory right after the weight sync, before vLLM wakes its KV
-cache (the sync itself reads the policy's shards on the GPU), and `onload` copies them back after vLLM sleeps,
-before the log-prob and update phases. The GPU memory they free is vLLM's to take
-(rollout.gpu_memory_utilization; memory_plan.py says how far it can rise).
+cache (the sync itself reads the policy's shards on the GPU), and `onload` copies the parameters back after vLLM
+sleeps, before the log-prob and update phases; the moments come to the GPU for each optimizer step alone. The GPU
+memory they free is vLLM's to take (rollout.gpu_memory_utilization; memory_plan.py says how far it can rise).
 
 Parameters move through FSDP2's own `_apply` path (as `module.to()` does): it re-registers each moved shard as the
 unit's sharded parameter, so later all-gathers read the moved copy and the old storage is freed. The optimizer's
 moments are replaced in its state dict by their copies. Copies go out and back on the current CUDA stream with
 non_blocking=True into pinned memory, so each direction is one stream of transfers the host does not wait on
-tensor by tensor; one synchronize at the end makes `time/offload` and `time/onload` the transfer's real time.
+tensor by tensor; one synchronize at the end makes `time/offload` and `time/onload` the transfer's real time. (A
+shard whose rows do not split evenly over the ranks is re-padded by FSDP2 into pageable memory; its copy back then
+waits for the host.)
 
 On a machine without CUDA the compute device IS the host: the state is still copied out to fresh host tensors and
 back (the same code path, minus pinning), so a CPU run exercises every step of the round trip, at the cost of

@@ -10,7 +10,8 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     engine.offload = offload.TrainerOffload(...)         # optional: the trainer's idle state to host while generating
 
 An engine that has `offload` set moves the trainer's state to host memory when it generates (vLLM: after the weight
-sync, before its KV cache wakes) and back when it sleeps, at rollouts and validations alike.
+sync, before its KV cache wakes) and the parameters back when it sleeps, at rollouts and validations alike (AdamW's
+moments stay there until the optimizer steps).
 
 `hf` samples with the (FSDP2-sharded) training model itself: no second copy of the weights, nothing to sync,
 slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vLLM engine inside every torchrun rank

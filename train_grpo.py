@@ -142,7 +142,7 @@ class ActorConfig:
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
     offload_params: bool = False  # policy + reference shards to host memory while vLLM generates (offload.py)
-    offload_optimizer: bool = False  # AdamW's moments to host memory while the engine generates
+    offload_optimizer: bool = False  # AdamW's moments in host memory, on the GPU only for each optimizer step
     master_dtype: str = "fp32"  # trainable weights and AdamW moments: fp32, or bf16 (stochastic rounding, optim.py)
     attn_implementation: str = "auto"  # auto = varlen_packed (torch's flash varlen) on CUDA, sdpa_packed elsewhere
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (PEFT) on a frozen base, the reference; 0 = full FT
