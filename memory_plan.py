@@ -9,8 +9,9 @@ has its own exact count.
 What is exact and what is estimated:
 - Exact: the parameter counts (checked against transformers' models in tests/test_memory_plan.py), and so the
   sharded states: FSDP2 shards every parameter over all ranks, each rank keeps 1/world of the fp32 master weights,
-  their fp32 gradients and AdamW's two fp32 moments (trainable parameters only), and of the reference model in the
-  compute dtype (bf16).
+  their fp32 gradients and AdamW's two fp32 moments (trainable parameters only; all three bf16 with
+  actor.master_dtype=bf16), and of the reference model in the compute dtype (bf16). What actor.offload_params and
+  actor.offload_optimizer move to host memory leaves the phases it is away from (offload.py).
 - Estimated: everything that depends on kernels and the allocator. The all-gathered bf16 units (the root's
   embedding and LM head stay gathered through forward and backward, one block plus the prefetched next), the
   gradients in flight (FSDP2 reduce-scatters them in fp32), the activations of one micro-batch (as if every token
