@@ -6,6 +6,7 @@ the moved shards, the optimizer's state replaced).
 """
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,21 @@ def test_stochastic_rounding_is_exact_on_bf16_values_and_brackets_others():
     down = x.to(torch.bfloat16).double()  # nearest; the other neighbour is one ulp away on the other side
     assert ((r - x.double()).abs() < _ulp_bf16(x.double()) * 1.0001).all()
     assert (r != down).any() and (r == down).any()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.master_dtype=fp16"], "actor.master_dtype='fp16'; valid: fp32, bf16"),
+        (["actor.master_dtype=bf16", "actor.lora_rank=8"], "actor.master_dtype=bf16 is for full fine-tuning"),
+        (["rollout.engine=hf", "actor.offload_params=true"], "actor.offload_params needs rollout.engine=vllm"),
+    ],
+)
+def test_precision_and_offload_config_errors_stop_before_loading(overrides, message):
+    """Guards against a master dtype the optimizer cannot hold, bf16 adapters, or the HF engine generating from
+    parameters that were moved to host memory, reaching the loaders instead of failing at start naming the key."""
+    import train_grpo
+
+    cfg = train_grpo.load_config("configs/tiny.yaml", overrides)
+    with pytest.raises(train_grpo.ConfigError, match=re.escape(message)):
+        train_grpo.check_config(cfg, 2)
