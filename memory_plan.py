@@ -9,8 +9,9 @@ has its own exact count.
 What is exact and what is estimated:
 - Exact: the parameter counts (checked against transformers' models in tests/test_memory_plan.py), and so the
   sharded states: FSDP2 shards every parameter over all ranks, each rank keeps 1/world of the fp32 master weights,
-  their fp32 gradients and AdamW's two fp32 moments (trainable parameters only), and of the reference model in the
-  compute dtype (bf16).
+  their fp32 gradients and AdamW's two fp32 moments (trainable parameters only; all three bf16 with
+  actor.master_dtype=bf16), and of the reference model in the compute dtype (bf16). What actor.offload_params and
+  actor.offload_optimizer move to host memory leaves the phases it is away from (offload.py).
 - Estimated: everything that depends on kernels and the allocator. The all-gathered bf16 units (the root's
   embedding and LM head stay gathered through forward and backward, one block plus the prefetched next), the
   gradients in flight (FSDP2 reduce-scatters them in fp32), the activations of one micro-batch (as if every token
@@ -299,6 +300,10 @@ class Settings:
     hf_rows: int  # sequences one HF generate call decodes at once
     lora_rank: int = 0  # actor.lora_rank: > 0 trains adapters only, and the reference is the base itself
     lora_targets: tuple[str, ...] = ()  # actor.lora_target_modules
+    master_bytes: int = 4  # actor.master_dtype: 4 (fp32) or 2 (bf16) bytes a trainable weight, gradient, moment
+    offload_params: bool = False  # actor.offload_params: policy and reference shards in host memory while generating
+    offload_optimizer: bool = False  # actor.offload_optimizer: AdamW's moments in host memory while generating
+    vllm_bytes: float = 0.0  # a CPU run: vLLM's weights and KV cache in bytes (there is no GPU share to take)
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -326,12 +331,20 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     adapters, frozen_tower = trains["total"] if x.lora_rank else 0, trains["vision"] == 0
     reference = x.reference and not x.lora_rank  # a second model to hold
     with_vllm = x.engine == "vllm"
+    b = x.master_bytes  # 4, or 2 with bf16 masters (optim.AdamWBF16: weights, gradients and moments in bf16)
     states = {
-        # fp32 master weights, or with LoRA the bf16 base and fp32 adapters
-        "params": (2 * n["total"] + 4 * adapters if x.lora_rank else 4 * n["total"]) / x.world,
-        "grads": 4 * trains["total"] / x.world,  # fp32, freed by zero_grad(set_to_none) after each optimizer step
-        "adam": 8 * trains["total"] / x.world,  # exp_avg and exp_avg_sq, fp32
+        # master weights (the whole model in their dtype), or with LoRA the bf16 base and fp32 adapters
+        "params": (2 * n["total"] + 4 * adapters if x.lora_rank else b * n["total"]) / x.world,
+        "grads": b * trains["total"] / x.world,  # freed by zero_grad(set_to_none) after each optimizer step
+        "adam": 2 * b * trains["total"] / x.world,  # exp_avg and exp_avg_sq
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
+    }
+    # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py); the
+    # moments stay there but for each optimizer step
+    offloaded = {
+        "params": states["params"] if x.offload_params and with_vllm else 0,  # the hf engine generates with them
+        "reference": states["reference"] if x.offload_params and with_vllm else 0,
+        "adam": states["adam"] if x.offload_optimizer else 0,
     }
     # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
@@ -366,11 +379,12 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
     )
     nograd += head(tn, False)
-    awake = x.vllm_util * x.gpu_bytes if with_vllm else 0.0  # vLLM takes its share of the whole device
+    resident = {**states, "adam": 0} if x.offload_optimizer else states  # on the device outside optimizer steps
+    awake = (x.vllm_bytes or x.vllm_util * x.gpu_bytes) if with_vllm else 0.0  # vLLM takes its share of the device
     never_sleeps = {"vllm awake": awake} if with_vllm and x.sleep_level == 0 else {}
     phases = {
         "update": {
-            **states,
+            **resident,
             "gathered": gathered,
             "grads in flight": unit_grads,
             "activations": activations,
@@ -378,7 +392,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             "runtime": RUNTIME,
         },
         "log-probs": {
-            **states,
+            **resident,
             "grads": 0,
             "gathered": gathered + (2 * n["root"] if reference else 0),
             "activations": nograd,
@@ -386,11 +400,24 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             "runtime": RUNTIME,
         },
     }
+    if x.offload_optimizer:  # the moments come in for the step, the gradients are still there
+        phases["optimizer step"] = {**states, "runtime": RUNTIME}
+    generating = {k: v - offloaded.get(k, 0) for k, v in states.items()}
     if with_vllm:
-        phases["rollout"] = {**states, "grads": 0, "vllm awake": awake, "runtime": RUNTIME}
+        if any(offloaded.values()):
+            # the sync reads the policy's shards before they leave: vLLM's weights (its KV cache still asleep) beside
+            # the whole state and one full bf16 tensor, the largest (the embedding)
+            phases["weight sync"] = {
+                **resident,
+                "grads": 0,
+                "vllm weights": 2 * n["total"] / x.tp,
+                "gathered": 2 * s.vocab * s.hidden,
+                "runtime": RUNTIME,
+            }
+        phases["rollout"] = {**generating, "grads": 0, "vllm awake": awake, "runtime": RUNTIME}
     else:  # HF generate with the training model: its KV cache, and the logits of the one decoding step at hand
         phases["rollout"] = {
-            **states,
+            **generating,
             "grads": 0,
             "gathered": gathered,
             "kv cache": x.hf_rows * x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2,
@@ -403,14 +430,21 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
     # (pinned, bf16, its TP slice), which the engine made before the trainer's model loads
     host = {
-        "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else 4 * n["total"]) / x.world,
+        "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
         "read buffer": 2 * s.vocab * s.hidden,
         "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,
     }
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
-    return {"params": n, "phases": phases, "host": host, "vllm_min": vllm_min if with_vllm else 0.0}
+    return {
+        "params": n,
+        "phases": phases,
+        "host": host,
+        "vllm_min": vllm_min if with_vllm else 0.0,
+        "offloaded": offloaded,  # host bytes per rank while generating (pinned on CUDA)
+        "states": states,
+    }
 
 
 def _phase_over(shape: ModelShape, x: Settings) -> tuple[str, float] | None:
@@ -452,6 +486,14 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
         best = _largest(least, round(x.vllm_util * 100), lambda v: fits(vllm_util=v / 100))
         if best is not None and best < round(x.vllm_util * 100):
             out.append(("vllm awake", f"lower rollout.gpu_memory_utilization from {x.vllm_util} to {best / 100}"))
+    if not (x.offload_params and x.offload_optimizer) and x.engine == "vllm":
+        if not x.offload_optimizer and fits(offload_optimizer=True):
+            out.append(("adam", "set actor.offload_optimizer=true (AdamW's moments in host memory while generating)"))
+        elif fits(offload_params=True, offload_optimizer=True):
+            out.append(("adam", "set actor.offload_params=true and actor.offload_optimizer=true (weights and AdamW "
+                                "moments in host memory while vLLM generates)"))  # fmt: skip
+    if x.master_bytes == 4 and not x.lora_rank and fits(master_bytes=2):
+        out.append(("adam", "set actor.master_dtype=bf16 (weights, gradients and AdamW moments in bf16: half of each)"))
     if x.reference and not x.ref_offload and fits(ref_offload=True):
         out.append(("reference", "set actor.ref_offload=true (the reference's shards in host memory)"))
     if not x.freeze_vision and not x.lora_rank and fits(freeze_vision=True):
@@ -509,9 +551,16 @@ def gpu_memory(configured_gib: float) -> tuple[float, str]:
     return DEFAULT_GPU_GIB * GIB, "no GPU here: assumed"
 
 
-def plan_memory(cfg, world: int) -> Plan:
+def host_bytes_per_rank(ranks: int) -> float:
+    """This machine's physical memory over the ranks that share it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, ranks)
+
+
+def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     """The plan for `cfg` (train_grpo.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
-    known sizes) and what CUDA reports; loads nothing else."""
+    known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
+    the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
+    memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
     seq_len = d.max_prompt_length + d.max_response_length
     # micro_batches() in train_grpo.py: a token budget, else a sequence count of at most seq_len tokens each
@@ -525,10 +574,18 @@ def plan_memory(cfg, world: int) -> Plan:
         nograd = train
     gpu_bytes, gpu_source = gpu_memory(t.gpu_memory_gib)
     per_node = gpus_per_node(t.n_gpus_per_node)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, per_node)  # torchrun sets it
+    vllm_bytes = 0.0
+    if host_run:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
+        per_node, gpu_bytes = ranks_per_node, host_bytes_per_rank(ranks_per_node)
+        gpu_source = f"CPU run: host memory per rank, this machine's over {ranks_per_node}"
+        shape = read_model_shape(a.model_path)
+        vllm_bytes = 4 * count_params(shape)["total"] / r.tensor_parallel_size + r.cpu_kv_cache_bytes
     settings = Settings(
         world=world,
         gpus_per_node=per_node,
-        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, per_node),  # torchrun sets it
+        ranks_per_node=ranks_per_node,
         gpu_bytes=gpu_bytes,
         train_tokens=train[1],
         nograd_tokens=nograd[1],
@@ -545,6 +602,10 @@ def plan_memory(cfg, world: int) -> Plan:
         hf_rows=hf_rows(cfg, world),
         lora_rank=a.lora_rank,
         lora_targets=tuple(a.lora_target_modules),
+        master_bytes={"fp32": 4, "bf16": 2}.get(a.master_dtype, 4),
+        offload_params=a.offload_params,
+        offload_optimizer=a.offload_optimizer,
+        vllm_bytes=vllm_bytes,
     )
     keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
     # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
@@ -578,18 +639,22 @@ def format_plan(plan: Plan) -> str:
         adapters = lora_params(plan.shape, x.lora_rank, x.lora_targets)["total"]
         size += f", LoRA rank {x.lora_rank}: " + (f"{adapters / 1e6:.1f} M" if adapters >= 1e6 else f"{adapters:,}")
         size += " trainable"
+    device = "rank (host memory)" if x.vllm_bytes else "GPU"
     lines = [
-        f"memory plan, GiB per GPU: {plan.model} ({size} parameters), world {x.world}, "
+        f"memory plan, GiB per {device}: {plan.model} ({size} parameters), world {x.world}, "
         f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
         "  sharded    "
-        + " | ".join(f"{k} {_gib(phases['update'][k])}" for k in states)
+        + " | ".join(f"{k} {_gib(numbers['states'][k])}" for k in states)
         + "  (exact; the rest estimated)",
     ]
     tokens = {"update": x.train_tokens, "log-probs": x.nograd_tokens}
     for name, parts in phases.items():
         extra = [f"{k} {_gib(v)}" + (f" ({tokens[name]} tokens)" if k == "activations" else "")
                  for k, v in parts.items() if k not in states]  # fmt: skip
-        lines.append(f"  {name:<10} + " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
+        # sharded states that are in host memory during this phase (offload), not on the GPU
+        away = [k for k in ("params", "adam", "reference") if numbers["states"][k] and not parts.get(k)]
+        without = f"(without {', '.join(away)}) " if away else ""
+        lines.append(f"  {name:<10} {without}+ " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     worst = max(totals, key=totals.get)
     verdict = "fits" if _phase_over(plan.shape, x) is None else "DOES NOT FIT"
@@ -597,6 +662,18 @@ def format_plan(plan: Plan) -> str:
         f"  peak       {_gib(totals[worst])} ({worst}) of {_gib(FIT_SHARE * x.gpu_bytes)} usable "
         f"({FIT_SHARE} x {_gib(x.gpu_bytes)}) -> {verdict}"
     )
+    if x.engine == "vllm" and not x.vllm_bytes:
+        # how far vLLM's share may rise with everything else as it is (offloading is what frees the most)
+        fits = lambda v: _phase_over(plan.shape, dataclasses.replace(x, vllm_util=v / 100)) is None  # noqa: E731
+        best = _largest(math.ceil(numbers["vllm_min"] / x.gpu_bytes * 100), 99, fits)
+        if best is not None:
+            lines.append(f"  vllm share up to {best / 100} of the GPU fits (rollout.gpu_memory_utilization, now "
+                         f"{x.vllm_util})")  # fmt: skip
+    offloaded = {k: v for k, v in numbers["offloaded"].items() if v}
+    if offloaded:
+        moved = " + ".join(f"{k} {_gib(v)}" for k, v in offloaded.items())
+        lines.append(f"offloaded to host memory while generating, GiB: {x.ranks_per_node} x ({moved}) = "
+                     f"{_gib(x.ranks_per_node * sum(offloaded.values()))} per node, pinned")  # fmt: skip
     per_rank = " + ".join(f"{k} {_gib(v)}" for k, v in host.items() if v)
     limit = f" of the {_gib(plan.host_limit)} Slurm allows" if plan.host_limit else ""
     ranks = f"{x.ranks_per_node} rank{'s' if x.ranks_per_node > 1 else ''}"
@@ -617,7 +694,8 @@ def plan_problem(plan: Plan) -> str | None:
             f"rollout.gpu_memory_utilization={x.vllm_util} gives vLLM {_gib(x.vllm_util * x.gpu_bytes)} GiB, less "
             f"than its weights and one sequence's KV cache ({_gib(numbers['vllm_min'])} GiB): raise it to >= {need}"
         )
-    host = x.ranks_per_node * sum(numbers["host"].values())
+    # at load, or while generating (the offloaded state, vLLM's sleep copy being back on the GPU then)
+    host = x.ranks_per_node * max(sum(numbers["host"].values()), sum(numbers["offloaded"].values()))
     if plan.host_limit and host > plan.host_limit:
         return (
             f"host memory at load, {_gib(host)} GiB per node, is over the {_gib(plan.host_limit)} GiB this Slurm job "
@@ -642,7 +720,9 @@ def plan_problem(plan: Plan) -> str | None:
         "activations": plan.keys["train_tokens" if phase == "update" else "nograd_tokens"],
         "vllm awake": "rollout.gpu_memory_utilization",
         "reference": "actor.ref_offload=true",
-        "adam": "more GPUs, actor.freeze_vision_tower=true or actor.lora_rank",
+        "adam": "more GPUs, actor.offload_optimizer=true, actor.master_dtype=bf16, actor.freeze_vision_tower=true or "
+        "actor.lora_rank",
+        "params": "actor.offload_params=true or actor.master_dtype=bf16",
         "kv cache": "rollout.engine=vllm or a lower rollout.max_num_seqs",
         "logits": "rollout.engine=vllm or a lower rollout.max_num_seqs",
     }

@@ -4,7 +4,7 @@
   with FSDP2 (vision tower as one unit, each decoder layer, the root), and each rank's shards read from the
   safetensors, so no rank ever holds the whole model; root_forward / reshard: the two FSDP2 quirks the loop has to
   work around. load_model alone is from_pretrained, for tests and benches.
-- load_policy_and_reference: the trainable policy (fp32 master weights) and the frozen reference (compute dtype),
+- load_policy_and_reference: the trainable policy (master weights in actor.master_dtype) and the frozen reference,
   ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters (lora.py) and the reference is
   the policy itself with its adapters switched off (lora.adapters_disabled), so no second model is loaded.
 - FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL and Qwen3.5 (one small table); the start-up checks that a
@@ -628,8 +628,13 @@ def apply_fsdp(model, device, offload=False):
 
     kwargs = {}
     if mixed_precision(device):
-        # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums
+        # bf16 compute, fp32 gradient reduction: the update of lr 1e-6 would vanish in bf16 sums (with bf16 master
+        # weights, actor.master_dtype=bf16, FSDP2 then casts each reduced shard back to bf16)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif any(p.requires_grad and p.dtype == torch.bfloat16 for p in model.parameters()):
+        # bf16 masters on the CPU lane, which computes in fp32 (bf16 matmuls are slow on most CPUs): gathered into
+        # fp32, gradients reduced in fp32, each shard's cast back to bf16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in family(model).fsdp_units(model):
@@ -756,10 +761,11 @@ def reshard(*models):
 
 
 def load_policy_and_reference(actor, device, with_reference, pad_id):
-    """The trainable policy (fp32 master weights) and, when the KL needs one, the frozen reference (the same
-    checkpoint, in the compute dtype: bf16 on GPU, fp32 on CPU; it is never updated, so it needs no fp32 copy), both
-    sharded and past their first root forward. `actor` is the config's actor section. Each rank holds its shards of
-    the two models and, while loading, one slice of a weight at a time (load_sharded).
+    """The trainable policy (master weights in actor.master_dtype: fp32, or bf16 for optim.AdamWBF16) and, when the
+    KL needs one, the frozen reference (the same checkpoint, in the compute dtype: bf16 on GPU, fp32 on CPU; it is
+    never updated, so it needs no fp32 copy), both sharded and past their first root forward. `actor` is the config's
+    actor section. Each rank holds its shards of the two models and, while loading, one slice of a weight at a time
+    (load_sharded).
 
     With LoRA (actor.lora_rank > 0) the reference is the policy itself: its frozen base is the initial policy, so the
     reference log-probs are the policy's with the adapters switched off (adapters_disabled), and no second model is
@@ -767,11 +773,12 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
     it is kept in the compute dtype too, and only the adapters in fp32."""
     lora = lora_config(actor) if actor.lora_rank > 0 else None
     compute_dtype = torch.bfloat16 if mixed_precision(device) else torch.float32
+    master_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[actor.master_dtype]  # AdamW's weights
     # With LoRA nothing updates the base: it needs no fp32 master copy, only the adapters do (half the weights' memory
     # on GPU; FSDP2 gathers both in bf16 for compute, as it gathers the fp32 masters of full fine-tuning)
     model = load_sharded(
         actor.model_path, device, actor.attn_implementation, actor.gradient_checkpointing,
-        dtype=compute_dtype if lora is not None else torch.float32, freeze_vision_tower=actor.freeze_vision_tower,
+        dtype=compute_dtype if lora is not None else master_dtype, freeze_vision_tower=actor.freeze_vision_tower,
         lora=lora,
     )  # fmt: skip
     root_forward(model, pad_id)

@@ -7,6 +7,11 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
     engine.sleep()                                       # give memory back to training
     engine.timings                                       # seconds of the last wake / weight sync / sleep
+    engine.offload = offload.TrainerOffload(...)         # optional: the trainer's idle state to host while generating
+
+An engine that has `offload` set moves the trainer's state to host memory when it generates (vLLM: after the weight
+sync, before its KV cache wakes) and the parameters back when it sleeps, at rollouts and validations alike (AdamW's
+moments stay there until the optimizer steps).
 
 `hf` samples with the (FSDP2-sharded) training model itself: no second copy of the weights, nothing to sync,
 slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vLLM engine inside every torchrun rank
@@ -159,12 +164,14 @@ class HFEngine:
         self.max_seqs = cfg.rollout.max_num_seqs
         self.packed = cfg.actor.padding_free  # score the answers in the trainer's own layout
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
+        self.offload = None  # set by the trainer: what to move to host memory while generating (offload.py)
 
     def wake(self):
         pass
 
     def sleep(self):
-        pass
+        if self.offload is not None:
+            self.offload.onload(self.timings)
 
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
@@ -178,6 +185,8 @@ class HFEngine:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
         from transformers import GenerationConfig
 
+        if self.offload is not None:  # the optimizer's state only: this engine generates with the policy's weights
+            self.offload.offload(self.timings)
         world = dist.get_world_size() if dist.is_initialized() else 1
         greedy = params.temperature <= 0
         # A fresh config: a checkpoint's own generation_config (Qwen ships top_k=1, repetition_penalty=1.05) must
@@ -375,6 +384,7 @@ class VLLMEngine:
         self.asleep = set()  # the sleeping parts: "weights", "kv_cache"
         self.synced = False  # until the first sync the engine holds the checkpoint's weights
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}
+        self.offload = None  # set by the trainer: what to move to host memory while generating (offload.py)
         self.sleep()  # give the memory back until the first rollout, so the trainer can load its model
 
     def _wake(self, tags):
@@ -398,6 +408,8 @@ class VLLMEngine:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = {"weights", "kv_cache"}
             self.timings["time/sleep"] = time.perf_counter() - t0
+        if self.offload is not None:  # after the KV cache is gone: the trainer's state comes back into its memory
+            self.offload.onload(self.timings)
 
     @torch.no_grad()
     def sync_weights(self, model):
@@ -439,6 +451,8 @@ class VLLMEngine:
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
         from vllm import SamplingParams as VSamplingParams
 
+        if self.offload is not None:  # the sync has read the policy: its state can leave before the KV cache wakes
+            self.offload.offload(self.timings)
         self._wake(["weights", "kv_cache"])
         most_images = max((len(p.images) for p in prompts), default=0)
         if most_images > self.max_images:

@@ -62,6 +62,8 @@ from models import (
     reshard,
     unsupported_model,
 )
+from offload import TrainerOffload
+from optim import config_problem, make_optimizer
 from runtime import (
     StopSignal,
     check_gpu_memory,
@@ -139,6 +141,9 @@ class ActorConfig:
     gradient_checkpointing: bool = True
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
+    offload_params: bool = False  # policy + reference shards to host memory while vLLM generates (offload.py)
+    offload_optimizer: bool = False  # AdamW's moments in host memory, on the GPU only for each optimizer step
+    master_dtype: str = "fp32"  # trainable weights and AdamW moments: fp32, or bf16 (stochastic rounding, optim.py)
     attn_implementation: str = "auto"  # auto = varlen_packed (torch's flash varlen) on CUDA, sdpa_packed elsewhere
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (PEFT) on a frozen base, the reference; 0 = full FT
     lora_alpha: int = 16  # LoRA scale = lora_alpha / lora_rank
@@ -371,6 +376,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         )
     if not 0 <= a.lora_dropout < 1:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
+    if problem := config_problem(a, r.engine):
+        raise ConfigError(problem)
     if r.sleep_level not in (0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
@@ -1016,7 +1023,7 @@ def check_memory(cfg, world, dry_run):
     """The per-GPU memory plan (memory_plan.py), printed by a dry run. ConfigError, naming the key to change, when
     it does not fit on the GPUs, or cannot be made for them; None for a CPU run whose model it cannot read."""
     try:
-        plan = plan_memory(cfg, world)
+        plan = plan_memory(cfg, world, host_run=not (dry_run or torch.cuda.is_available()))
     except PlanError as e:
         if dry_run or torch.cuda.is_available():
             raise ConfigError(str(e)) from None
@@ -1085,10 +1092,8 @@ def main(argv=None):
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # (a DTensor counts its full size)
     print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     ids = (pad_id, model.config.image_token_id)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, a.lr_warmup_steps)))
+    optimizer, scheduler = make_optimizer(model, a)
+    engine.offload = TrainerOffload(model, ref_model, optimizer, a)  # to host while the KV cache is awake, and back
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < cfg.data.rollout_batch_size or cfg.algorithm.kl_in_reward

@@ -133,7 +133,8 @@ def run_rank(args):
         model, _ = old_load(args.model, device)
     else:
         actor = SimpleNamespace(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False,
-                                freeze_vision_tower=False, ref_offload=False, lora_rank=0)  # fmt: skip
+                                freeze_vision_tower=False, ref_offload=False, lora_rank=0,
+                                master_dtype="fp32")  # fmt: skip
         model, _ = models.load_policy_and_reference(actor, device, True, 0)
     load = [rss_bytes("VmHWM") - before, time.perf_counter() - t0, marks[0]]
     dist.barrier()

@@ -422,3 +422,78 @@ def test_unknown_model_offline_fails_naming_the_key(monkeypatch):
     a directory nor a known size, the error names actor.model_path."""
     with pytest.raises(PlanError, match=r"actor\.model_path='nobody/no-such-model': cannot read its config\.json"):
         memory_plan.read_model_shape("nobody/no-such-model")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bf16 master weights and offloading (actor.master_dtype, actor.offload_params, actor.offload_optimizer)
+
+
+def test_bf16_masters_and_offload_terms_by_hand_for_7b_on_4x40():
+    """Guards against the plan of configs/geo3k_4x40gb.yaml (7B, 4 ranks, bf16 masters, everything offloaded)
+    counting a term the run does not hold, or missing one it does: bf16 weights, gradients and moments are 2, 2 and 4
+    bytes a parameter over 4 ranks; the moments are on the GPU only in the optimizer step; the rollout holds no
+    trainer state; the weight sync holds the state (without moments) beside vLLM's bf16 TP-2 weights and one full
+    bf16 embedding; the host holds all of it while vLLM generates."""
+    plan = plan_memory(load_config("configs/geo3k_4x40gb.yaml"), 4)
+    x, numbers = plan.settings, plan.numbers
+    assert (x.world, x.gpu_bytes, x.master_bytes, x.offload_params, x.offload_optimizer) == (4, 40 * GIB, 2, True, True)
+    states = {"params": 2 * P_7B / 4, "grads": 2 * P_7B / 4, "adam": 4 * P_7B / 4, "reference": 2 * P_7B / 4}
+    assert numbers["states"] == pytest.approx(states, rel=1e-12)
+    phases = numbers["phases"]
+    assert phases["optimizer step"] == pytest.approx({**states, "runtime": 2 * GIB}, rel=1e-12)
+    assert phases["update"]["adam"] == 0 and phases["log-probs"]["adam"] == 0
+    assert phases["update"]["params"] == pytest.approx(states["params"]) and phases["update"]["grads"] > 0
+    assert phases["rollout"] == pytest.approx(
+        {"params": 0, "grads": 0, "adam": 0, "reference": 0, "vllm awake": 0.8 * 40 * GIB, "runtime": 2 * GIB}
+    )
+    sync = {**states, "grads": 0, "adam": 0, "vllm weights": 2 * P_7B / 2, "gathered": 2 * 152064 * 3584}
+    assert phases["weight sync"] == pytest.approx({**sync, "runtime": 2 * GIB}, rel=1e-12)
+    assert numbers["offloaded"] == pytest.approx({"params": P_7B / 2, "reference": P_7B / 2, "adam": P_7B}, rel=1e-12)
+    # the same run with fp32 masters and nothing offloaded: every state twice (and the reference the same)
+    fp32 = ["actor.master_dtype=fp32", "actor.offload_params=false", "actor.offload_optimizer=false"]
+    full = plan_memory(load_config("configs/geo3k_4x40gb.yaml", fp32), 4).numbers
+    assert {k: full["states"][k] / v for k, v in states.items()} == pytest.approx(
+        {"params": 2, "grads": 2, "adam": 2, "reference": 1}
+    )
+    assert "weight sync" not in full["phases"] and "optimizer step" not in full["phases"]
+    assert full["phases"]["rollout"]["adam"] == pytest.approx(2 * states["adam"])
+
+
+def test_shipped_small_gpu_configs_fit(monkeypatch, capsys):
+    """Guards against shipping configs/geo3k_4x40gb.yaml (7B on 4 x 40 GB) or configs/geo3k_3b_1x40gb.yaml (3B on one
+    40 GB GPU) with a plan that does not fit the node they name: the dry run must exit 0 and say so."""
+    _no_loading(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for config, head in (("configs/geo3k_4x40gb.yaml", "world 4, 4 x 40.0 GiB"),
+                         ("configs/geo3k_3b_1x40gb.yaml", "world 1, 1 x 40.0 GiB")):  # fmt: skip
+        assert main([config, "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert head in out and "-> fits" in out and "offloaded to host memory while generating" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, advice",
+    [
+        # 7B on 8 x 40 GB: 53.0 GiB in the update with fp32 masters; bf16 halves the states (37.8)
+        (["trainer.gpu_memory_gib=40", "rollout.gpu_memory_utilization=0.5"], "set actor.master_dtype=bf16"),
+        # vLLM at 0.77 of 80 GiB beside 15.5 GiB of states: the moments out of the GPU make it fit
+        (["rollout.gpu_memory_utilization=0.77"], "set actor.offload_optimizer=true"),
+        # at 0.9, only the weights and the reference leaving too make room
+        (["rollout.gpu_memory_utilization=0.9"], "set actor.offload_params=true and actor.offload_optimizer=true"),
+    ],
+)
+def test_offload_and_bf16_levers_are_named(overrides, advice):
+    """Guards against a plan that does not fit and does not name the new levers where they are what fits it."""
+    problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE + overrides), 8))
+    assert problem is not None and advice in problem, problem
+
+
+def test_a_cpu_runs_plan_is_of_host_memory_per_rank(monkeypatch):
+    """Guards against a CPU run (the tests, the demo) printing a plan of assumed 80 GB GPUs: it is of each rank's
+    share of this machine's memory, and vLLM holds its fp32 weights and rollout.cpu_kv_cache_bytes."""
+    monkeypatch.setattr(memory_plan, "host_bytes_per_rank", lambda ranks: 64 * GIB / ranks)
+    plan = plan_memory(load_config("configs/geo3k.yaml"), 2, host_run=True)
+    text = memory_plan.format_plan(plan)
+    assert "GiB per rank (host memory)" in text and "2 x 32.0 GiB per node (CPU run" in text and "80" not in text
+    awake = plan.numbers["phases"]["rollout"]["vllm awake"]
+    assert awake == pytest.approx(4 * P_7B / 2 + (1 << 30))  # TP 2; the default 1 GiB KV cache

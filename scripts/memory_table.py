@@ -1,0 +1,76 @@
+"""The README's table of which models fit which GPUs: `train_grpo.py --dry-run` for each model, node and setting.
+
+    .venv/bin/python scripts/memory_table.py      # a markdown table, one row per model and setting (a few seconds)
+
+Every cell is the geo3k recipe's batch shape (512 prompts x 5 answers per step, 128 prompts per optimizer step,
+2,048 + 2,048 tokens), vLLM with tensor parallel 2 (1 on one GPU, 4 for 32B), micro-batch token budgets 16,384 /
+32,768 on 80 GB GPUs and 8,192 / 16,384 on smaller ones. vLLM's share of the GPU is geo3k's 0.6 when that fits, else
+the largest share that does (the plan's own "vllm share up to" line): the cell gives the peak GiB per GPU and that
+share, or "no" and the peak at 0.6 when no share fits.
+"""
+
+import contextlib
+import io
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "0")  # check_paths would want the hub cache; the plan does not
+
+import train_grpo  # noqa: E402
+
+MODELS = {
+    "Qwen2.5-VL-3B": ("configs/geo3k_3b.yaml", []),
+    "Qwen2.5-VL-7B": ("configs/geo3k.yaml", []),
+    "Qwen2.5-VL-32B": ("configs/geo3k.yaml", ["actor.model_path=Qwen/Qwen2.5-VL-32B-Instruct"]),
+    "Qwen3-VL-8B": ("configs/qwen3_vl_8b_geo3k.yaml", []),
+}
+NODES = [(1, 24), (1, 40), (1, 80), (4, 40), (8, 80)]
+SETTINGS = {
+    "full (fp32 masters)": [],
+    "bf16 masters": ["actor.master_dtype=bf16"],
+    "bf16 + offload": ["actor.master_dtype=bf16", "actor.offload_params=true", "actor.offload_optimizer=true"],
+    "LoRA rank 8": ["actor.lora_rank=8"],
+}
+
+
+def dry_run(config, overrides):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train_grpo.main([config, *overrides, "--dry-run"])
+    return code, out.getvalue()
+
+
+def cell(config, overrides):
+    code, out = dry_run(config, [*overrides, "rollout.gpu_memory_utilization=0.6"])
+    share = re.search(r"vllm share up to ([0-9.]+) of the GPU fits", out)
+    if code != 0 and share:
+        code, out = dry_run(config, [*overrides, f"rollout.gpu_memory_utilization={share.group(1)}"])
+    peak = re.search(r"peak\s+([0-9.]+) \(([^)]+)\)", out)
+    util = re.findall(r"gpu_memory_utilization, now ([0-9.]+)", out)
+    if code == 0:
+        return f"{peak.group(1)} ({util[0] if util else '0.6'})"
+    return f"no: {peak.group(1)}" if peak else "no"
+
+
+def main():
+    header = ["model", "setting"] + [f"{n} x {g} GB" for n, g in NODES]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for model, (config, base) in MODELS.items():
+        for setting, overrides in SETTINGS.items():
+            row = [model, setting]
+            for gpus, gib in NODES:
+                tp = 1 if gpus == 1 else (4 if "32B" in model else 2)
+                budget = [] if gib >= 80 else [
+                    "actor.max_tokens_per_micro_batch=8192", "actor.max_tokens_per_micro_batch_no_grad=16384"
+                ]  # fmt: skip
+                node = [f"trainer.n_gpus_per_node={gpus}", f"trainer.gpu_memory_gib={gib}",
+                        f"rollout.tensor_parallel_size={tp}"]  # fmt: skip
+                row.append(cell(config, [*base, *node, *budget, *overrides]))
+            print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The trainer's state off the GPU during rollouts (offload.py) and bf16 master weights (optim.py), on CPU.
+
+On CPU the compute device is the host, so an offload copies the state to fresh host tensors and back: the same code
+path as on a GPU minus pinning, which is what these tests exercise (new storage on every move, FSDP2 re-registering
+the moved shards, the optimizer's state replaced).
+"""
+
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import models
+import offload
+import optim
+from tests.launch import free_port
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _train_step(model, optimizer, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.text_config.vocab_size, (2, 12), generator=g)
+    model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _locals(model):
+    return {n: p.to_local() for n, p in model.named_parameters()}
+
+
+def _moments(optimizer):
+    return [(k, v.to_local()) for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+
+
+@pytest.mark.parametrize("master_dtype", ["fp32", "bf16"])
+def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_model_dir, one_rank_group, master_dtype):
+    """Guards against an offload that loses or changes state: every parameter shard and AdamW moment must come back
+    bitwise, in new storage each way (a no-op move would hide a GPU path that never frees anything), and a step
+    after the round trip (the moments brought in for it by the step hooks, and sent out again) must give exactly the
+    weights of a twin that never moved. That catches FSDP2 still
+    all-gathering from the old shard storage, gradients landing on a stale parameter, or the optimizer updating a
+    moment that is no longer the one it reads."""
+    cpu = torch.device("cpu")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[master_dtype]
+    actor = SimpleNamespace(master_dtype=master_dtype, lr=1e-3, betas=[0.9, 0.999], weight_decay=0.01,
+                            lr_warmup_steps=0, offload_params=True, offload_optimizer=True,
+                            ref_offload=False)  # fmt: skip
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = models.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
+        optimizer, _ = optim.make_optimizer(model, actor)
+        _train_step(model, optimizer, seed=1)  # AdamW's moments exist from the first step on
+        pair.append((model, optimizer))
+    (model, optimizer), (twin, twin_optimizer) = pair
+    ref = models.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
+    ref.requires_grad_(False)
+    before = {**_locals(model), **{f"ref.{n}": t for n, t in _locals(ref).items()}}
+    moments = _moments(optimizer)
+    assert moments and all(p.dtype == dtype for p in model.parameters())
+
+    mover = offload.TrainerOffload(model, ref, optimizer, actor)
+    timings = {}
+    mover.offload(timings)
+    mover.offload(timings)  # a second generate call of the same rollout: nothing more moves
+    away = {**_locals(model), **{f"ref.{n}": t for n, t in _locals(ref).items()}}
+    for name, t in away.items():
+        assert (
+            torch.equal(t, before[name]) and t.untyped_storage().data_ptr() != before[name].untyped_storage().data_ptr()
+        ), name
+    assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+               for (_, old), (_, v) in zip(moments, _moments(optimizer)))  # fmt: skip
+    mover.onload(timings)
+    assert set(timings) == {"time/offload", "time/onload"}
+    back = {**_locals(model), **{f"ref.{n}": t for n, t in _locals(ref).items()}}
+    for name, t in back.items():
+        assert t.dtype == before[name].dtype and torch.equal(t, before[name]), name
+        assert t.untyped_storage().data_ptr() != away[name].untyped_storage().data_ptr(), name
+    for (key, old), (_, new) in zip(moments, _moments(optimizer)):
+        assert torch.equal(new, old), key  # still in host memory: they come to the device for the step alone
+
+    stored = _moments(optimizer)
+    torch.manual_seed(5)  # the same stochastic rounding draws for both (bf16)
+    _train_step(model, optimizer, seed=2)
+    # the step hooks brought them in and sent the new ones out again: new storage, not the old moments updated
+    assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+               for (_, old), (_, v) in zip(stored, _moments(optimizer)))  # fmt: skip
+    torch.manual_seed(5)
+    _train_step(twin, twin_optimizer, seed=2)
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+    assert any(not torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())  # it did train
+
+
+def _adamw_fp64(w, g, m, v, step, lr, betas, eps, wd):
+    """One AdamW step (torch.optim.AdamW's update) in fp64 from the given state: the exact results to compare with,
+    each with the sum of the magnitudes of the terms it adds up (where fp32 rounds them)."""
+    b1, b2 = betas
+    new_m, new_v = m * b1 + (1 - b1) * g, v * b2 + (1 - b2) * g * g
+    denom = (new_v.sqrt() / math.sqrt(1 - b2**step)) + eps
+    update = lr / (1 - b1**step) * new_m / denom
+    return [
+        (w * (1 - lr * wd) - update, w.abs() + update.abs()),
+        (new_m, (m * b1).abs() + ((1 - b1) * g).abs()),
+        (new_v, new_v),
+    ]
+
+
+def _ulp_bf16(x):
+    """One bf16 step at |x|: 2^(floor(log2 |x|) - 7) (the smallest normal's for x = 0)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)))
+    return torch.exp2(e - 7)
+
+
+def test_bf16_adamw_step_within_one_bf16_ulp_of_fp64_adamw():
+    """Guards against a bf16 AdamW whose arithmetic differs from AdamW's (bias correction, decoupled weight decay,
+    eps placement) or that rounds more than once: over 5 steps with changing gradients, each step's weights and
+    moments must be within the bound optim.py states of an fp64 AdamW run from the same bf16 state on the same
+    gradients: one bf16 ulp of the exact value, plus fp32's rounding of the terms summed (2^-22 of their magnitudes;
+    it matters only where they cancel to near 0)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(4096) * 0.05).to(torch.bfloat16))
+    lr, betas, eps, wd = 1e-3, (0.9, 0.999), 1e-8, 0.01
+    opt = optim.AdamWBF16([p], lr=lr, betas=betas, weight_decay=wd)
+    for step in range(1, 6):
+        g = torch.randn(4096).to(torch.bfloat16) * 0.1
+        state = opt.state.get(p, {})
+        m0 = state["exp_avg"].double() if state else torch.zeros(4096, dtype=torch.float64)
+        v0 = state["exp_avg_sq"].double() if state else torch.zeros(4096, dtype=torch.float64)
+        wanted = _adamw_fp64(p.detach().double(), g.double(), m0, v0, step, lr, betas, eps, wd)
+        p.grad = g
+        opt.step()
+        got = (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+        for name, x, (want, terms) in zip(("weights", "exp_avg", "exp_avg_sq"), got, wanted):
+            assert x.dtype == torch.bfloat16
+            assert ((x.double() - want).abs() <= _ulp_bf16(want) + 2**-22 * terms).all(), (step, name)
+    assert opt.state[p]["step"].item() == 5
+
+
+def test_bf16_stochastic_rounding_keeps_updates_far_below_one_ulp():
+    """Guards against the failure bf16 masters are known for: an lr 1e-6-sized update is 1/256 of a bf16 step at
+    weights near 1, so round-to-nearest drops it every time and training silently stops. With stochastic rounding the
+    mean change over many weights must be the exact fp32 change (here 10 steps of lr 1e-5 with constant gradients,
+    m_hat / sqrt(v_hat) = 1: -1e-4 in all), within 5 standard errors of the rounding noise."""
+    torch.manual_seed(0)
+    n, lr, steps = 1 << 20, 1e-5, 10
+    p = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    opt = optim.AdamWBF16([p], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    for _ in range(steps):
+        p.grad = torch.ones(n, dtype=torch.bfloat16)
+        opt.step()
+    change = p.detach().double().mean().item() - 1.0
+    nearest = (torch.ones(n) - lr * steps).to(torch.bfloat16).double().mean().item() - 1.0
+    assert nearest == 0.0  # what plain bf16 rounding keeps of it
+    # each weight ends on the bf16 grid below 1 (step 2^-8); the mean's standard error is at most 2^-8 / sqrt(n) x
+    # sqrt(steps) (each step's rounding independent and within one step)
+    stderr = 2**-8 * math.sqrt(steps / n)
+    assert abs(change - (-lr * steps)) <= 5 * stderr, change
+
+
+def test_stochastic_rounding_is_exact_on_bf16_values_and_brackets_others():
+    """Guards against a rounding that moves values bf16 holds exactly, or lands outside the two neighbours."""
+    torch.manual_seed(0)
+    exact = torch.randn(1000).to(torch.bfloat16).float()
+    assert torch.equal(optim.stochastic_round_bf16(exact).float(), exact)
+    x = torch.randn(100_000)
+    r = optim.stochastic_round_bf16(x).double()
+    down = x.to(torch.bfloat16).double()  # nearest; the other neighbour is one ulp away on the other side
+    assert ((r - x.double()).abs() < _ulp_bf16(x.double()) * 1.0001).all()
+    assert (r != down).any() and (r == down).any()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.master_dtype=fp16"], "actor.master_dtype='fp16'; valid: fp32, bf16"),
+        (["actor.master_dtype=bf16", "actor.lora_rank=8"], "actor.master_dtype=bf16 is for full fine-tuning"),
+        (["rollout.engine=hf", "actor.offload_params=true"], "actor.offload_params needs rollout.engine=vllm"),
+    ],
+)
+def test_precision_and_offload_config_errors_stop_before_loading(overrides, message):
+    """Guards against a master dtype the optimizer cannot hold, bf16 adapters, or the HF engine generating from
+    parameters that were moved to host memory, reaching the loaders instead of failing at start naming the key."""
+    import train_grpo
+
+    cfg = train_grpo.load_config("configs/tiny.yaml", overrides)
+    with pytest.raises(train_grpo.ConfigError, match=re.escape(message)):
+        train_grpo.check_config(cfg, 2)
