@@ -635,11 +635,60 @@ def apply_fsdp(model, device, offload=False):
     for unit in family(model).fsdp_units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    add_vision_dummy(model)
     if next(model.parameters()).is_meta:
         model.to_empty(device="cpu" if offload else device)
     elif not offload:
         model.to(device)
     return model
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """Every tensor in a vision tower's output (Qwen3-VL's holds deepstack feature lists beside the embeds)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
+
+
+def add_vision_dummy(model):
+    """Make every forward that starts a sequence (a training or log-prob forward, generate's prefill) run the vision
+    tower exactly once, images or not. The tower is its own FSDP2 unit: a forward with images all-gathers its shards
+    (and its backward reduce-scatters its gradients), one without never does, so a rank whose micro-batch, log-prob
+    chunk or generate call holds only text while another's holds images falls out of step in the collectives, and
+    the job hangs (an abort, "collective mismatch", on gloo). EasyR1 #468, fixed the same way (#518/#530).
+
+    Without images the tower runs on one minimal blank image (one merged token) and its output, times zero, is added
+    to the decoder's output: log-probs are unchanged and autograd reaches the tower with zero gradients, so its
+    backward (the gradient reduce-scatter) runs on every rank too, and the data-parallel mean is the one without the
+    dummy. Decided locally, from this forward's own inputs, rather than by an all-reduce: the decision then costs no
+    collective in the every-rank-has-images case (no dummy runs at all there) and fits inside generate's prefill,
+    which no code of ours sees. Decode steps never run the tower (generate drops the pixels after the prefill), so
+    they are left alone. The price is one small tower pass (and its all-gather) per text-only forward."""
+    inner, tower = model.model, model.model.visual
+    cfg = tower.config
+    side = cfg.spatial_merge_size  # a grid of merge x merge patches: the smallest the merger accepts
+    patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+    pending = []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        starts = cache is None or cache.get_seq_length() == 0
+        if kwargs.get("pixel_values") is None and kwargs.get("mm_encoder_outputs") is None and starts:
+            device = compute_device(model)
+            pixels = torch.zeros(side * side, patch_dim, device=device)  # (patches, C * T * P * P)
+            grid = torch.tensor([[1, side, side]], device=device)  # (images, 3)
+            pending.append(tower(pixels, grid_thw=grid))
+
+    def after(module, args, kwargs, out):
+        if pending:
+            hidden = out.last_hidden_state
+            zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0
+            out.last_hidden_state = hidden + zero.to(hidden.device, hidden.dtype)
+        return out
+
+    inner.register_forward_pre_hook(before, with_kwargs=True)
+    inner.register_forward_hook(after, with_kwargs=True)
 
 
 def load_weights(model, path, device):

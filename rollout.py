@@ -213,10 +213,9 @@ class HFEngine:
         covers answers of different lengths within a call; a rank with fewer chunks runs filler calls (one sequence
         of a prompt it holds) and drops what they return. Returns the agreed number of calls and the filler.
 
-        The filler repeats a real prompt because a call runs the vision tower, another collective, only when its
-        prompts have images: with images on one rank and none on another the ranks fall out of step. (So the ranks'
-        chunks must agree on having images, as the training forwards' micro-batches must.) A rank with no prompt at
-        all borrows one from another rank."""
+        Whether a call's prompts have images does not matter: every prefill and every log-prob forward runs the
+        vision tower once, on a dummy image when it has none (models.add_vision_dummy), as the training forwards
+        do. A rank with no prompt at all borrows one from another rank, for something to generate from."""
         device = models.compute_device(self.model)
         need = torch.tensor([chunks, -len(prompts)], device=device)  # MAX of both: most chunks, fewest prompts
         if world > 1:
