@@ -73,9 +73,11 @@ def draw_figure(rng: random.Random, label: str, image_size: tuple[int, int]) -> 
     return buf.getvalue()
 
 
-def random_row(rng: random.Random, index: int, image_size: tuple[int, int]) -> dict:
-    """One geo3k-like row; about one in eight has two figures."""
+def random_row(rng: random.Random, index: int, image_size: tuple[int, int], text_only: bool = False) -> dict:
+    """One geo3k-like row; about one in eight has two figures. A text-only row has no figure and an empty list."""
     question = rng.choice(QUESTIONS)
+    if text_only:
+        return {"problem": f"{question} x = {rng.randint(2, 99)}.", "answer": random_answer(rng), "images": []}
     if rng.random() < 0.125:
         problem = f"<image>Figure A. <image>Figure B. {question}"
         n_images = 2
@@ -89,14 +91,17 @@ def random_row(rng: random.Random, index: int, image_size: tuple[int, int]) -> d
     return {"problem": problem, "answer": random_answer(rng), "images": images}
 
 
-def make_geo3k_like(out_path: str, n_rows: int = 64, seed: int = 0, image_size: tuple[int, int] = (64, 200)) -> str:
+def make_geo3k_like(
+    out_path: str, n_rows: int = 64, seed: int = 0, image_size: tuple[int, int] = (64, 200), text_only_every: int = 0
+) -> str:
     """Write `n_rows` geo3k-like rows to `out_path` (parquet) and return the path.
 
-    `image_size` bounds each figure side in pixels (min, max)."""
+    `image_size` bounds each figure side in pixels (min, max). `text_only_every=k` makes every k-th row (0, k, 2k,
+    ...) text-only, as in a mixture of geometry with figures and text-only math."""
     if not 16 <= image_size[0] <= image_size[1]:
         raise ValueError(f"image_size must be (min, max) with 16 <= min <= max, got {image_size}")
     rng = random.Random(seed)
-    rows = [random_row(rng, i, image_size) for i in range(n_rows)]
+    rows = [random_row(rng, i, image_size, text_only_every > 0 and i % text_only_every == 0) for i in range(n_rows)]
     image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema(
         [("problem", pa.string()), ("answer", pa.string()), ("images", pa.list_(image_struct))],
