@@ -113,6 +113,29 @@ def make_geo3k_like(
     return str(out_path)
 
 
+# The vision demo's task: the answer is only in the image. Every row asks the same question; the image is one
+# colour of COLOURS, and the answer is its number. A model that ignores the image can be right 1 time in K at best.
+COLOURS = {"1": (220, 30, 30), "2": (30, 180, 30), "3": (30, 60, 220), "4": (240, 220, 20)}
+COLOUR_QUESTION = "<image>Which colour is the picture? Answer with its number: 1 red, 2 green, 3 blue, 4 yellow."
+
+
+def make_colour_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int = 56) -> str:
+    """Write `n_rows` rows of the colour task (answers balanced and shuffled, colours jittered a little so no two
+    images are equal) to `out_path` (parquet) and return the path."""
+    rng = random.Random(seed)
+    answers = [list(COLOURS)[i % len(COLOURS)] for i in range(n_rows)]
+    rng.shuffle(answers)
+    rows = []
+    for answer in answers:
+        colour = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[answer])
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+        rows.append({"problem": COLOUR_QUESTION, "answer": answer, "images": [{"bytes": buf.getvalue(), "path": None}]})
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_path)
+    return str(out_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output .parquet path")
