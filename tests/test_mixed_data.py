@@ -1,5 +1,5 @@
 """Datasets as users bring them, end to end under torchrun (2 ranks, gloo): text-only rows mixed with image rows,
-and text-only datasets."""
+and text-only datasets; and the vision tower's dummy pass that keeps the ranks in step, in every model family."""
 
 import json
 import time
@@ -72,3 +72,31 @@ def test_dataset_without_an_images_column_trains(tiny_model_dir, tmp_path):
     _, rows = _run(tiny_model_dir, tmp_path, tmp_path / "train.parquet", tmp_path / "val.parquet", HF)
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     assert "val/accuracy" in rows[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_vision_dummy_changes_no_logprob_and_no_gradient(tiny_family_dir, family):
+    """Guards against the mixed-batch fix leaking into the numbers: on a text-only forward the dummy tower pass must
+    run (the tower's parameters get a gradient, all exactly zero, so FSDP2 reduce-scatters them on every rank) and
+    leave the log-probs and every other gradient bitwise as they are without it, in every model family."""
+    import torch
+
+    import models
+
+    def grads(with_dummy):
+        model = models.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+        if with_dummy:
+            models.add_vision_dummy(model)
+        ids = torch.arange(5, 25)[None]  # (1, 20) plain text tokens
+        logp, _ = models.forward_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                          ids[:, -6:], 1.0)  # fmt: skip
+        logp.sum().backward()
+        return logp.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    logp, plain = grads(False)
+    logp_dummy, dummy = grads(True)
+    assert torch.equal(logp, logp_dummy)
+    tower = [n for n in dummy if ".visual." in n]
+    assert tower and all(plain[n] is None for n in tower)
+    assert all(dummy[n] is not None and not dummy[n].any() for n in tower)
+    assert all(torch.equal(plain[n], dummy[n]) for n in plain if n not in tower)
