@@ -13,6 +13,11 @@ answers to the same spec; on a single file `@split` is an error rather than sile
 
 Rows. `problem` is text with one `<image>` mark per image (a problem with no mark but N images gets N marks
 prepended, as EasyR1 does; any other mismatch is a bad row). `answer` is any non-empty value, kept as a string.
+The three keys are configurable (data.prompt_key, answer_key, image_key) and a dotted key reaches into a struct
+column (`reward_model.ground_truth`, verl's layout). A prompt column may instead hold chat messages
+(`[{"role": "user", "content": "<image>..."}]`, verl's layout): they are the prompt, their `<image>` marks bind the
+row's images in order, the format prompt goes around the last user turn's text, and a system turn of their own
+replaces the default system prompt.
 `images` is a list (or one) of `{"bytes", "path"}` structs (bytes preferred; a relative path is relative to the
 data file's directory), path strings, raw bytes or PIL images; a missing `images` field means a text-only row.
 A bad row (missing or empty field, mark/image mismatch, an image that does not decode) is skipped with a warning
@@ -232,24 +237,58 @@ def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_p
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def build_messages(text: str, system_prompt: str | None = None) -> list[dict]:
-    """One user message whose content alternates text and image parts, split on `<image>`; empty texts dropped."""
+def user_content(text: str) -> list[dict]:
+    """A user turn's content: text and image parts alternating, split on `<image>`; empty texts dropped."""
     content = []
     for i, piece in enumerate(text.split(IMAGE_MARK)):
         if i > 0:
             content.append({"type": "image"})
         if piece:
             content.append({"type": "text", "text": piece})
+    return content
+
+
+def build_messages(text: str, system_prompt: str | None = None) -> list[dict]:
+    """One user message whose content alternates text and image parts (user_content), after the system prompt."""
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return system + [{"role": "user", "content": content}]
+    return system + [{"role": "user", "content": user_content(text)}]
+
+
+def chat_turns(value) -> list[tuple[str, str]] | None:
+    """A prompt column holding chat messages (verl writes `[{"role": "user", "content": "<image>..."}]`) as (role,
+    text) pairs, a content given as parts turned back into text with `<image>` marks; None for any other value."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    if not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        return None
+    turns = []
+    for m in value:
+        content = m["content"]
+        if isinstance(content, (list, tuple)):  # [{"type": "text", "text": ...}, {"type": "image"}, ...]
+            content = "".join(p.get("text") or "" if p.get("type") == "text" else IMAGE_MARK for p in content)
+        turns.append((str(m["role"]), str(content or "")))
+    return turns
 
 
 class BadRow(ValueError):
     pass
 
 
+def row_value(row: dict, key: str):
+    """`row[key]`; a dotted key reaches into struct columns (`reward_model.ground_truth`, as verl stores the answer).
+    A column whose own name has a dot is found first."""
+    if key in row or "." not in key:
+        return row.get(key)
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def row_text(row: dict, key: str) -> str:
-    value = row.get(key)
+    value = row_value(row, key)
     if value is None:
         raise BadRow(f"missing {key!r}")
     text = str(value).strip()
@@ -259,7 +298,7 @@ def row_text(row: dict, key: str) -> str:
 
 
 def row_images(row: dict, key: str) -> list:
-    images = row.get(key)
+    images = row_value(row, key)
     if images is None:
         return []
     return list(images) if isinstance(images, (list, tuple)) else [images]
@@ -357,9 +396,16 @@ class PromptDataset:
         """Check one row; return its Example (images still empty), image sources and original image sizes."""
         if not isinstance(row, dict):
             raise BadRow(f"row is a {type(row).__name__}, not an object")
-        problem, answer = row_text(row, self.prompt_key), row_text(row, self.answer_key)
+        turns = chat_turns(row_value(row, self.prompt_key))
+        if turns is None:
+            turns = [("user", row_text(row, self.prompt_key))]
+        answer = row_text(row, self.answer_key)
+        users = [i for i, (role, _) in enumerate(turns) if role == "user"]
+        if not users or not turns[users[-1]][1].strip():
+            raise BadRow(f"{self.prompt_key!r} has no user turn with text")
+        problem = turns[users[-1]][1].strip()  # the question: the format prompt goes around it
         images = row_images(row, self.image_key)
-        n_marks = problem.count(IMAGE_MARK)
+        n_marks = sum(text.count(IMAGE_MARK) for _, text in turns)
         if n_marks == 0 and images:
             problem = IMAGE_MARK * len(images) + problem
         elif n_marks != len(images):
@@ -375,7 +421,12 @@ class PromptDataset:
             sources.append(src)
 
         text = self.template.render(content=problem) if self.template else problem
-        messages = build_messages(text, self.system_prompt)
+        messages = [
+            {"role": role, "content": user_content(text if i == users[-1] else t) if role == "user" else t}
+            for i, (role, t) in enumerate(turns)
+        ]
+        if self.system_prompt and turns[0][0] != "system":  # a system turn in the data replaces the default one
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
         prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0)
         return example, sources, sizes

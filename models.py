@@ -640,11 +640,70 @@ def apply_fsdp(model, device, offload=False):
     for unit in family(model).fsdp_units(model):
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    add_vision_dummy(model)
     if next(model.parameters()).is_meta:
         model.to_empty(device="cpu" if offload else device)
     elif not offload:
         model.to(device)
     return model
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """Every tensor in a vision tower's output (Qwen3-VL's holds deepstack feature lists beside the embeds)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
+
+
+def vision_dummy(model):
+    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy."""
+    tower = model.model.visual
+    side = tower.config.spatial_merge_size  # a grid of merge x merge patches: the smallest the merger accepts
+    patch_dim = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    device = compute_device(model)
+    pixels = torch.zeros(side * side, patch_dim, device=device)  # (patches, C * T * P * P)
+    return tower(pixels, grid_thw=torch.tensor([[1, side, side]], device=device))
+
+
+def generate_encodes_images_first(model) -> bool:
+    """Whether HF `generate` runs the vision tower before its prefill, outside the model's forward (transformers 5.19
+    does for models whose forward takes `mm_encoder_outputs`), rather than inside the prefill's forward."""
+    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
+
+
+def add_vision_dummy(model):
+    """Make every forward that starts sequences (a training or log-prob forward, a prefill) run the vision tower
+    exactly once, images or not. The tower is its own FSDP2 unit: a forward with images all-gathers its shards (and
+    its backward reduce-scatters its gradients), one without never does, so a rank whose micro-batch, log-prob chunk
+    or generate call holds only text while another's holds images falls out of step in the collectives, and the job
+    hangs (an abort, "collective mismatch", on gloo). EasyR1 #468, fixed the same way (#518/#530).
+
+    Without images the tower runs on one minimal blank image (vision_dummy) and its output, times zero, is added to
+    the decoder's output: log-probs are unchanged and autograd reaches the tower with zero gradients, so its backward
+    (the gradient reduce-scatter) runs on every rank too, and the data-parallel mean is the one without the dummy.
+    Decided locally, from the forward's own inputs, rather than by an all-reduce: no collective is added, and no
+    dummy runs at all when every rank has images. The price is one small tower pass (and its all-gather) per
+    text-only forward. Decode steps never run the tower (generate drops the pixels after the prefill), and a prefill
+    whose images generate encoded beforehand (`mm_encoder_outputs` given, even empty) is left to the caller:
+    rollout.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
+    pending = []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        starts = cache is None or cache.get_seq_length() == 0
+        if kwargs.get("pixel_values") is None and kwargs.get("mm_encoder_outputs") is None and starts:
+            pending.append(vision_dummy(model))
+
+    def after(module, args, kwargs, out):
+        if pending:
+            hidden = out.last_hidden_state
+            zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0
+            out.last_hidden_state = hidden + zero.to(hidden.device, hidden.dtype)
+        return out
+
+    model.model.register_forward_pre_hook(before, with_kwargs=True)
+    model.model.register_forward_hook(after, with_kwargs=True)
 
 
 def load_weights(model, path, device):

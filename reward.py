@@ -233,6 +233,15 @@ def digit_fraction(response: str, ground_truth: str) -> dict[str, float]:
     return {"overall": fraction, "format": 0.0, "accuracy": float(fraction >= 0.5)}
 
 
+def first_digit(response: str, ground_truth: str) -> dict[str, float]:
+    """The vision demo's reward: 1 when the first ASCII digit of the response is the answer (one digit). On the
+    colour task (scripts/make_synthetic_data.py make_colour_task) the answer is only in the image, so a policy that
+    ignores it scores at most 1 / (number of colours) on balanced data. format: the response has a digit at all."""
+    digit = next((c for c in response if c in "0123456789"), None)
+    correct = float(digit is not None and digit == ground_truth.strip())
+    return {"overall": correct, "format": float(digit is not None), "accuracy": correct}
+
+
 # -----------------------------------------------------------------------------
 # user reward functions
 

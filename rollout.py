@@ -222,10 +222,10 @@ class HFEngine:
         covers answers of different lengths within a call; a rank with fewer chunks runs filler calls (one sequence
         of a prompt it holds) and drops what they return. Returns the agreed number of calls and the filler.
 
-        The filler repeats a real prompt because a call runs the vision tower, another collective, only when its
-        prompts have images: with images on one rank and none on another the ranks fall out of step. (So the ranks'
-        chunks must agree on having images, as the training forwards' micro-batches must.) A rank with no prompt at
-        all borrows one from another rank."""
+        Whether a call's prompts have images does not matter: every generate call and every log-prob forward runs
+        the vision tower once, on a dummy image when it has none (models.add_vision_dummy, _sample_chunk), as the
+        training forwards do. A rank with no prompt at all borrows one from another rank, to have something to
+        generate from."""
         device = models.compute_device(self.model)
         need = torch.tensor([chunks, -len(prompts)], device=device)  # MAX of both: most chunks, fewest prompts
         if world > 1:
@@ -245,6 +245,8 @@ class HFEngine:
         device = models.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
+        if "pixel_values" not in inputs and models.generate_encodes_images_first(self.model):
+            models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
         sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []

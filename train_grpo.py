@@ -83,9 +83,9 @@ from runtime import (
 class DataConfig:
     train_files: str = "hiyouga/geometry3k@train"  # HF `name@split`, or a local parquet/jsonl/json file or directory
     val_files: str = "hiyouga/geometry3k@test"  # same forms; "" disables validation
-    prompt_key: str = "problem"  # column with the question text and its <image> marks
-    answer_key: str = "answer"  # column with the ground truth
-    image_key: str = "images"  # column with a list of images ({bytes, path}, path string or PIL)
+    prompt_key: str = "problem"  # column with the question text and its <image> marks, or chat messages (verl)
+    answer_key: str = "answer"  # column with the ground truth; a dotted key reaches into a struct (verl)
+    image_key: str = "images"  # column with a list of images ({bytes, path}, path string or PIL); absent = text only
     format_prompt: str = "configs/format_prompt/geo3k.jinja"  # jinja template around the problem; "" for none
     system_prompt: str = ""  # "" keeps Qwen's default system prompt
     max_prompt_length: int = 2048  # tokens after image expansion

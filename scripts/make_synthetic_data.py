@@ -73,9 +73,11 @@ def draw_figure(rng: random.Random, label: str, image_size: tuple[int, int]) -> 
     return buf.getvalue()
 
 
-def random_row(rng: random.Random, index: int, image_size: tuple[int, int]) -> dict:
-    """One geo3k-like row; about one in eight has two figures."""
+def random_row(rng: random.Random, index: int, image_size: tuple[int, int], text_only: bool = False) -> dict:
+    """One geo3k-like row; about one in eight has two figures. A text-only row has no figure and an empty list."""
     question = rng.choice(QUESTIONS)
+    if text_only:
+        return {"problem": f"{question} x = {rng.randint(2, 99)}.", "answer": random_answer(rng), "images": []}
     if rng.random() < 0.125:
         problem = f"<image>Figure A. <image>Figure B. {question}"
         n_images = 2
@@ -89,14 +91,17 @@ def random_row(rng: random.Random, index: int, image_size: tuple[int, int]) -> d
     return {"problem": problem, "answer": random_answer(rng), "images": images}
 
 
-def make_geo3k_like(out_path: str, n_rows: int = 64, seed: int = 0, image_size: tuple[int, int] = (64, 200)) -> str:
+def make_geo3k_like(
+    out_path: str, n_rows: int = 64, seed: int = 0, image_size: tuple[int, int] = (64, 200), text_only_every: int = 0
+) -> str:
     """Write `n_rows` geo3k-like rows to `out_path` (parquet) and return the path.
 
-    `image_size` bounds each figure side in pixels (min, max)."""
+    `image_size` bounds each figure side in pixels (min, max). `text_only_every=k` makes every k-th row (0, k, 2k,
+    ...) text-only, as in a mixture of geometry with figures and text-only math."""
     if not 16 <= image_size[0] <= image_size[1]:
         raise ValueError(f"image_size must be (min, max) with 16 <= min <= max, got {image_size}")
     rng = random.Random(seed)
-    rows = [random_row(rng, i, image_size) for i in range(n_rows)]
+    rows = [random_row(rng, i, image_size, text_only_every > 0 and i % text_only_every == 0) for i in range(n_rows)]
     image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema(
         [("problem", pa.string()), ("answer", pa.string()), ("images", pa.list_(image_struct))],
@@ -105,6 +110,29 @@ def make_geo3k_like(out_path: str, n_rows: int = 64, seed: int = 0, image_size: 
     table = pa.Table.from_pylist(rows, schema=schema)
     Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, out_path)
+    return str(out_path)
+
+
+# The vision demo's task: the answer is only in the image. Every row asks the same question; the image is one
+# colour of COLOURS, and the answer is its number. A model that ignores the image can be right 1 time in K at best.
+COLOURS = {"1": (220, 30, 30), "2": (30, 180, 30), "3": (30, 60, 220), "4": (240, 220, 20)}
+COLOUR_QUESTION = "<image>Which colour is the picture? Answer with its number: 1 red, 2 green, 3 blue, 4 yellow."
+
+
+def make_colour_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int = 56) -> str:
+    """Write `n_rows` rows of the colour task (answers balanced and shuffled, colours jittered a little so no two
+    images are equal) to `out_path` (parquet) and return the path."""
+    rng = random.Random(seed)
+    answers = [list(COLOURS)[i % len(COLOURS)] for i in range(n_rows)]
+    rng.shuffle(answers)
+    rows = []
+    for answer in answers:
+        colour = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in COLOURS[answer])
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+        rows.append({"problem": COLOUR_QUESTION, "answer": answer, "images": [{"bytes": buf.getvalue(), "path": None}]})
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_path)
     return str(out_path)
 
 

@@ -8,6 +8,7 @@ the same update. The batch is synthetic but realistic: 4 prompts with images, 2 
 The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a token budget the two ranks need
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
 each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
+TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out models.add_vision_dummy.
 """
 
 import os
@@ -27,9 +28,14 @@ import train_grpo  # noqa: E402
 PROMPTS, N = 4, 2
 
 
-def synthetic_prompts(processor):
+def synthetic_prompts(processor, text_only=()):
     prompts = []
     for i in range(PROMPTS):
+        if i in text_only:
+            messages = [{"role": "user", "content": [{"type": "text", "text": f"Find x {i}."}]}]
+            text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompts.append(rollout.Prompt(processor(text=[text], return_tensors="pt")["input_ids"][0], None, None, []))
+            continue
         img = Image.new("RGB", (56 + 28 * i, 84), "white")
         ImageDraw.Draw(img).line((0, 0, 40, 60 - 10 * i), fill="black", width=3)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Find x {i}."}]}]
@@ -43,6 +49,8 @@ def main():
     if os.environ.get("EXTRA_EMPTY_MICRO_BATCH"):  # as a rank with fewer sequences than the agreed count gets it
         plan = train_grpo.plan_micro_batches
         train_grpo.plan_micro_batches = lambda lengths, budget: plan(lengths, budget) + [[]]
+    if os.environ.get("NO_VISION_DUMMY"):
+        models.add_vision_dummy = lambda model: None
 
     model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     rank, world, device = runtime.setup_distributed()
@@ -57,7 +65,8 @@ def main():
     train_grpo.check_config(cfg, world)
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
-    prompts = synthetic_prompts(processor)
+    text_only = [int(i) for i in os.environ.get("TEXT_ONLY", "").split(",") if i]
+    prompts = synthetic_prompts(processor, text_only)
     samples, ref_logps = [], []
     for p in range(PROMPTS):
         for _ in range(N):

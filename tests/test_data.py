@@ -377,3 +377,68 @@ def test_shards_deterministic_and_reshuffled_per_epoch():
         ShardSampler(3, 0, 4)
     with pytest.raises(ValueError):
         ShardSampler(10, 2, 2)
+
+
+def verl_geo3k_rows(easyr1_rows: list[dict], split: str = "train") -> list[dict]:
+    """Rows as verl's examples/data_preprocess/geo3k.py writes them from hiyouga/geometry3k (= EasyR1's layout): the
+    instruction appended to the problem inside a one-turn chat, the answer inside reward_model."""
+    rows = []
+    for i, r in enumerate(easyr1_rows):
+        rows.append({
+            "data_source": "hiyouga/geometry3k",
+            "prompt": [{"role": "user", "content": r["problem"] + SUFFIX}],
+            "images": r["images"],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+            "extra_info": {"split": split, "index": i, "answer": r["answer"], "question": r["problem"]},
+        })  # fmt: skip
+    return rows
+
+
+def test_peer_files_load_without_conversion(tmp_path, processor):
+    """Guards against users having to convert the peers' files: verl's geo3k parquet (chat-list `prompt`, answer in
+    the `reward_model` struct) with data.prompt_key=prompt, data.answer_key=reward_model.ground_truth and no format
+    prompt (verl's rows already carry the instruction) must give exactly the prompts, answers and images that the
+    EasyR1 / hiyouga layout of the same rows gives with the defaults; EasyR1's text-only math12k (problem/answer,
+    no images column) loads with the defaults."""
+    easyr1 = make_geo3k_like(str(tmp_path / "easyr1.parquet"), n_rows=12, seed=3)
+    verl = write_parquet(tmp_path / "verl.parquet", verl_geo3k_rows(pq.read_table(easyr1).to_pylist()))
+    assert pq.read_table(verl).schema.field("prompt").type.value_type.num_fields == 2  # list<struct<content, role>>
+    ours = PromptDataset(easyr1, processor, format_prompt=GEO3K_PROMPT, **TINY)
+    theirs = PromptDataset(verl, processor, prompt_key="prompt", answer_key="reward_model.ground_truth", **TINY)
+    assert len(ours) == len(theirs) == 12 and theirs.n_skipped == 0
+    for i in range(12):
+        a, b = ours[i], theirs[i]
+        assert (b.prompt, b.answer, b.num_prompt_tokens) == (a.prompt, a.answer, a.num_prompt_tokens)
+        assert [im.tobytes() for im in b.images] == [im.tobytes() for im in a.images]
+    math12k = write_parquet(tmp_path / "math12k.parquet", [{"problem": "What is $1+1$?", "answer": "2"}] * 3)
+    ex = PromptDataset(math12k, processor, format_prompt=GEO3K_PROMPT, **TINY)[0]
+    assert ex.images == [] and ex.prompt.count("<|image_pad|>") == 0 and ex.answer == "2"
+
+
+def test_chat_prompt_column_binds_images_formats_user_turn_and_keeps_its_system(tmp_path, processor):
+    """Guards against a chat-list prompt losing what it says: its `<image>` marks must bind the row's images, the
+    format prompt must wrap the user turn's text (not the whole list), a system turn of its own must replace the
+    default and the configured one, and a dotted key that finds nothing must skip the row, not crash."""
+    rows = [
+        {"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "<image>Find x. "}],
+         "images": [{"bytes": png(), "path": None}], "meta": {"gt": "48"}},
+        {"prompt": [{"role": "user", "content": "Area?"}], "meta": {"gt": "3"}},
+        {"prompt": [{"role": "user", "content": "No answer."}], "meta": {}},
+    ]  # fmt: skip
+    path = write_parquet(tmp_path / "chat.parquet", rows)
+    with pytest.warns(UserWarning, match="missing 'meta.gt'"):
+        ds = PromptDataset(path, processor, prompt_key="prompt", answer_key="meta.gt", format_prompt=GEO3K_PROMPT,
+                           system_prompt="Default.", **TINY)  # fmt: skip
+    assert len(ds) == 2 and ds.n_skipped == 1
+    first, second = ds[0], ds[1]
+    assert first.answer == "48" and len(first.images) == 1
+    assert first.messages == [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Find x." + SUFFIX}]},
+    ]
+    assert first.prompt == (
+        f"<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\n{VISION}Find x.{SUFFIX}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert second.messages[0] == {"role": "system", "content": "Default."} and second.images == []

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -120,3 +121,29 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     assert sorted(final) == sorted(initial)  # the export keeps the checkpoint's own naming
     unchanged = [k for k in initial if torch.equal(final[k], initial[k])]
     assert not unchanged, unchanged
+
+
+@pytest.mark.parametrize(
+    "text_only, overrides",
+    [
+        ("2,3", ["actor.micro_batch_size=1"]),  # rank 1's whole share text-only; packed, shared prefixes
+        ("1,3", ["actor.padding_free=false"]),  # half the rows text-only, padded
+        ("1,3", ["actor.max_tokens_per_micro_batch=160", "actor.shared_prefix=false"]),  # budget, rebalanced
+    ],
+)
+def test_mixed_text_and_image_batches_neither_hang_nor_change_the_update(
+    tiny_model_dir, tmp_path, monkeypatch, text_only, overrides
+):
+    """Guards against the vision-tower deadlock of mixed batches (EasyR1 #468): a rank whose micro-batch has no image
+    never all-gathers the tower's FSDP2 shards while a rank with images does, and gloo aborts with a collective
+    mismatch (NCCL hangs); the launch is bounded, so a hang fails too. And against the dummy tower pass that fixes it
+    leaking into the result: the 2-rank update must equal one rank's step over the same sequences with NO dummy."""
+    monkeypatch.setenv("TEXT_ONLY", text_only)
+    monkeypatch.setenv("NO_VISION_DUMMY", "1")
+    full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
+    monkeypatch.delenv("NO_VISION_DUMMY")
+    t0 = time.perf_counter()
+    split = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *overrides)
+    assert time.perf_counter() - t0 < 120
+    assert split["micro_batches"][0] == split["micro_batches"][1] >= 2
+    _assert_same_weights(full, split)
