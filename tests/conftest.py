@@ -51,3 +51,15 @@ def tiny_family_dir(tmp_path_factory, tiny_model_dir):
         return built[family]
 
     return get
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group, for code that needs torch.distributed (FSDP2, DCP) outside torchrun."""
+    import torch.distributed as dist
+
+    from tests.launch import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -76,13 +76,6 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_model_dir, checkpoin
     assert facts["lora/adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_missing_or_misshapen_tensor_fails_naming_it(tiny_model_dir, tmp_path, one_rank_group):
     """Guards against loading a checkpoint that lacks a weight (or holds one of another shape) into a model that
     then runs with that weight uninitialised: the error must name it."""

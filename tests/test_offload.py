@@ -11,19 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import models
 import offload
 import optim
-from tests.launch import free_port
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _train_step(model, optimizer, seed):
