@@ -248,12 +248,6 @@ def user_content(text: str) -> list[dict]:
     return content
 
 
-def build_messages(text: str, system_prompt: str | None = None) -> list[dict]:
-    """One user message whose content alternates text and image parts (user_content), after the system prompt."""
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    return system + [{"role": "user", "content": user_content(text)}]
-
-
 def chat_turns(value) -> list[tuple[str, str]] | None:
     """A prompt column holding chat messages (verl writes `[{"role": "user", "content": "<image>..."}]`) as (role,
     text) pairs, a content given as parts turned back into text with `<image>` marks; None for any other value."""

@@ -562,6 +562,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
     memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
+    shape = read_model_shape(a.model_path)
     seq_len = d.max_prompt_length + d.max_response_length
     # micro_batches() in train_grpo.py: a token budget, else a sequence count of at most seq_len tokens each
     train = ("actor.micro_batch_size", a.micro_batch_size * seq_len)
@@ -580,7 +581,6 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
         per_node, gpu_bytes = ranks_per_node, host_bytes_per_rank(ranks_per_node)
         gpu_source = f"CPU run: host memory per rank, this machine's over {ranks_per_node}"
-        shape = read_model_shape(a.model_path)
         vllm_bytes = 4 * count_params(shape)["total"] / r.tensor_parallel_size + r.cpu_kv_cache_bytes
     settings = Settings(
         world=world,
@@ -611,7 +611,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
-    return Plan(a.model_path, read_model_shape(a.model_path), settings, gpu_source, keys, host_limit)
+    return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit)
 
 
 def hf_rows(cfg, world) -> int:

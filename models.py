@@ -207,7 +207,6 @@ def varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 @functools.cache
 def _varlen_takes_gqa(fn) -> bool:
-
     return "enable_gqa" in inspect.signature(fn).parameters
 
 
