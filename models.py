@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from linear_attention import use_packed_forward
 from lora import LORA_ADAPTER, add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ class PackedLayout:
 
     def __init__(self, segments, length, device):
         self.segments, self.length, self.device = segments, length, device
-        self._masks = self._varlen = None
+        self._masks = self._varlen = self._linear = None  # the last: linear_attention.plan
 
     @classmethod
     def sequences(cls, seq_lens, device):
@@ -258,37 +259,6 @@ def use_varlen_in_vision_tower(model):
         model.model.visual.config._attn_implementation = VISION_VARLEN
 
 
-def segmentwise_linear_attention(model):
-    """Make Qwen3.5's linear-attention layers (gated delta net: a causal conv1d, then a recurrence over the tokens)
-    keep a packed row's sequences apart, as PackedLayout does for attention: their conv window and recurrent state
-    must restart at every sequence, and the torch code transformers falls back to on CPU has no working cu_seqlens.
-    So on a packed call each segment runs alone, and an answer of a shared-prefix group runs after its prompt
-    ([prompt | answer], keeping the answer's outputs): the state it starts from is exactly the prompt's final one.
-    That recomputes the prompt once per answer in these layers only (the prompt's own outputs come from its own
-    segment), the price of exactness without a kernel that takes an initial state per sequence. Padded batches and
-    generate (which has a cache) are untouched: left padding is zeroed by the module itself."""
-    for layer in model.model.language_model.layers:
-        module = getattr(layer, "linear_attn", None)
-        if module is not None:
-            module.forward = _segmentwise(module.forward)
-
-
-def _segmentwise(forward):
-    def packed_forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        layout = kwargs.pop("packed_layout", None)
-        if layout is None or cache_params is not None or hidden_states.shape[0] != 1:
-            return forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
-        outs = []
-        for s, e, ps, pe in layout.segments:
-            x = hidden_states[:, s:e]  # (1, n, H)
-            if pe > ps:
-                x = torch.cat([hidden_states[:, ps:pe], x], dim=1)  # (1, p + n, H)
-            outs.append(forward(x, **kwargs)[:, x.shape[1] - (e - s) :])  # (1, n, H)
-        return torch.cat(outs, dim=1)  # (1, L, H)
-
-    return packed_forward
-
-
 def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens):
     """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
 
@@ -428,7 +398,7 @@ class Family:
     # which resizes by that factor; processor_problem stops (at start) a checkpoint whose processor says otherwise.
     image_side: int
     # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
-    # next: run them a segment at a time (segmentwise_linear_attention).
+    # next: their packed forward restarts it per sequence (linear_attention.py).
     linear_attention: bool = False
     # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see rollout.VLLMEngine):
     # vLLM caches Qwen3.5's recurrent state for prefix caching only with chunked prefill ("Chunked prefill is
@@ -548,7 +518,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
     if problem:
         raise ValueError(f"{path}: {problem}")
     if family(model).linear_attention:
-        segmentwise_linear_attention(model)
+        use_packed_forward(model)
     use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
