@@ -5,6 +5,7 @@ and how fast is it?
     python bench/gpu_check.py                   # one GPU, about 5 minutes; vLLM if importable, else the HF engine
     python bench/gpu_check.py --lora            # the same with rank-8 LoRA adapters
     python bench/gpu_check.py --set actor.ref_offload=true --set data.max_response_length=1024
+    python bench/gpu_check.py --family qwen3_5 --lora  # Qwen3.5-9B's shape: linear attention through fla's kernel
 
 1. Builds a random Qwen2.5-VL with the 3B shape (36 layers of width 2048, the 32-block vision tower, the 151,936-row
    vocabulary) from a config written here, with the tiny test tokenizer padded to the real token count, and saves
@@ -23,7 +24,9 @@ Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt in
 of a step / step seconds, the definition of REFERENCE.md section 1), model FLOPs utilisation of the training phases,
 peak GPU memory against the plan's, and the agreements. Needs torch >= 2.11, transformers 5.17-5.19, torchvision,
 safetensors, pillow, pyyaml, jinja2, pyarrow (and peft + accelerate for --lora); vLLM and the geo3k graders are
-optional, and nothing is downloaded.
+optional, and nothing is downloaded. With --family qwen3_5 the model has Qwen3.5-9B's shape instead (LoRA only: its
+full fine-tuning does not fit one GPU), and its linear-attention layers take fla's kernels where flash-linear-attention
+is installed (linear_attention.py; without it they run a sequence at a time, with a warning).
 """
 
 import argparse
@@ -44,9 +47,10 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
-from scripts.make_tiny_model import QWEN_SPECIAL_TOKENS, build_generation_config, build_processor, build_tokenizer  # noqa: E402
+from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
 
 REAL_TOKENS, REAL_VOCAB = 151_665, 151_936  # Qwen2.5-VL's tokenizer size and embedding rows
+QWEN3_5_VOCAB = 248_320  # Qwen3.5's embedding rows (its tokenizer is padded to them here)
 # Dense bf16 peak of the GPUs this is likely to meet, TFLOP/s (vendor data sheets, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "A100": 312.0}
 
@@ -76,45 +80,78 @@ def qwen2_5_vl_3b_config(tokenizer):
     )  # fmt: skip
 
 
-def build_model(out_dir):
-    """A random 3B-shaped checkpoint (bf16 safetensors, tokenizer, processor) in out_dir (kept if it is there already,
-    so that several checks share one); returns its parameter count, that of the language model alone (with its LM
-    head) and that of the vision tower. The tokenizer is the tests' tiny BPE plus placeholder tokens up to Qwen's real
-    count, so the vocabulary, and with it the LM head and the sampling cost, are the real ones."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def qwen3_5_9b_config(tokenizer):
+    """Qwen3.5-9B's architecture (the numbers memory_plan.KNOWN_SHAPES keeps: 32 layers of width 4096, three gated
+    DeltaNet layers to one full-attention layer, 248,320 embedding rows untied, Qwen3-VL's 27-block tower without
+    deepstack), with token ids from our tokenizer."""
+    from transformers import Qwen3_5Config
 
+    vision_ids, special = _token_ids(tokenizer)
+    text = dict(
+        vocab_size=QWEN3_5_VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        **special,
+    )  # fmt: skip
+    vision = dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+    )  # fmt: skip
+    return Qwen3_5Config(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
+                         dtype="bfloat16")  # fmt: skip
+
+
+# --family -> (the architecture, its name, the recipe the check scales down to one GPU)
+SHAPES = {
+    "qwen2_5_vl": (qwen2_5_vl_3b_config, "Qwen2.5-VL-3B", "configs/geo3k_3b.yaml"),
+    "qwen3_5": (qwen3_5_9b_config, "Qwen3.5-9B", "configs/qwen3_5_9b_geo3k.yaml"),
+}
+
+
+def build_model(out_dir, family="qwen2_5_vl"):
+    """A random checkpoint of the family's real shape (bf16 safetensors, tokenizer, processor) in out_dir (kept if it
+    is there already, so that several checks share one); returns its parameter count, that of the language model
+    alone (with its LM head) and that of the vision tower. The tokenizer is the tests' tiny BPE plus placeholder
+    tokens up to the real count, so the vocabulary, and with it the LM head and the sampling cost, are the real
+    ones."""
+    _, make_processor, _, model_class = FAMILIES[family]
+    make_config = SHAPES[family][0]
     if not os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")):
-        tokenizer = real_size_tokenizer()
+        tokenizer = real_size_tokenizer(family)
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = Qwen2_5_VLForConditionalGeneration._from_config(
-                qwen2_5_vl_3b_config(tokenizer), dtype=torch.bfloat16
-            )
+            model = model_class._from_config(make_config(tokenizer), dtype=torch.bfloat16)
         model.generation_config = build_generation_config(tokenizer)
         model.save_pretrained(out_dir)
-        build_processor(tokenizer).save_pretrained(out_dir)
+        make_processor(tokenizer).save_pretrained(out_dir)
         del model
         torch.cuda.empty_cache()
     with torch.device("meta"):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(qwen2_5_vl_3b_config(real_size_tokenizer()))
-    total = sum(p.numel() for p in model.parameters())  # the tied embedding / LM head counted once
+        model = model_class._from_config(make_config(real_size_tokenizer(family)))
+    total = sum(p.numel() for p in model.parameters())  # a tied embedding / LM head counted once
     vision = sum(p.numel() for p in model.model.visual.parameters())
     return total, total - vision, vision
 
 
-def real_size_tokenizer():
-    tokenizer = build_tokenizer(seed=0, vocab_size=400)
-    tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(REAL_TOKENS - len(tokenizer))])
+def real_size_tokenizer(family="qwen2_5_vl"):
+    tokenizer = build_tokenizer(seed=0, vocab_size=400, tokenizer_class=FAMILIES[family][0])
+    real = REAL_TOKENS if family == "qwen2_5_vl" else QWEN3_5_VOCAB
+    tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(real - len(tokenizer))])
     return tokenizer
 
 
-def write_config_only(out_dir):
+def write_config_only(out_dir, family="qwen2_5_vl"):
     """The checkpoint's config.json alone: all that the memory plan reads (a dry run builds no weights)."""
-    qwen2_5_vl_3b_config(real_size_tokenizer()).save_pretrained(out_dir)
+    SHAPES[family][0](real_size_tokenizer(family)).save_pretrained(out_dir)
 
 
 def trainer_argv(model_dir, data_dir, out_dir, args):
-    """train_grpo's command line: the geo3k 3B recipe, scaled to one GPU and a few steps; --lora and --set last."""
+    """train_grpo's command line: the family's geo3k recipe, scaled to one GPU and a few steps; --lora and --set
+    last."""
     overrides = [
         f"actor.model_path={model_dir}", f"data.train_files={data_dir}/train.parquet", "data.val_files=",
         f"data.rollout_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts}", f"rollout.n={args.n}",
@@ -133,7 +170,7 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
     # fine-tuning of all 3.75 B parameters (fp32 masters and AdamW: 56 GiB) leaves too little of 80 GiB for the
     # rest, so the tower is frozen there too
     overrides += ["actor.lora_rank=8", "actor.lora_alpha=16"] if args.lora else ["actor.freeze_vision_tower=true"]
-    return [os.path.join(REPO, "configs/geo3k_3b.yaml"), *overrides, *args.set]
+    return [os.path.join(REPO, SHAPES[args.family][2]), *overrides, *args.set]
 
 
 def memory_plan(argv):
@@ -150,7 +187,7 @@ def memory_plan(argv):
 def dry_run(args):
     """Print the plan of exactly the run main() would make, on the GPU it would assume; 0 when it fits."""
     with tempfile.TemporaryDirectory() as tmp:
-        write_config_only(tmp)
+        write_config_only(tmp, args.family)
         argv = trainer_argv(tmp, tmp, os.path.join(tmp, "run"), args)
         _, _, text, problem = memory_plan(argv)
     print("gpu check, dry run: " + " ".join(a for a in argv[1:] if not a.startswith(("actor.model_path", "data.tr"))))
@@ -159,7 +196,7 @@ def dry_run(args):
         print(f"does not fit: {problem}")
         return 1
     what = "LoRA rank 8" if args.lora else "full fine-tuning with fp32 masters, the vision tower frozen"
-    print(f"fits one GPU ({what})")
+    print(f"fits one GPU ({SHAPES[args.family][1]}, {what})")
     return 0
 
 
@@ -277,14 +314,25 @@ def parse_args(argv=None):
     parser.add_argument("--response-tokens", type=int, default=512)
     default_engine = "vllm" if __import__("importlib").util.find_spec("vllm") else "hf"
     parser.add_argument("--engine", default=default_engine, choices=["vllm", "hf"])
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2, help="vLLM's share while awake")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="vLLM's share while awake (default 0.2; 0.4 for qwen3_5, whose bf16 weights are 17.6 GiB)",
+    )
     parser.add_argument("--ref-offload", action="store_true", help="keep the reference model in host memory")
     parser.add_argument("--lora", action="store_true", help="rank-8 LoRA adapters instead of full fine-tuning")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override (repeat)")
     parser.add_argument("--no-comparisons", action="store_true", help="the run only: no packed/tower checks")
     parser.add_argument("--model-dir", default="", help="build the model here, or reuse the one built there")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (default: known)")
-    return parser.parse_args(argv)
+    parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(SHAPES), help="the shape: " + ", ".join(
+        f"{k} = {v[1]}" for k, v in SHAPES.items()))  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.family == "qwen3_5" and not args.lora:  # fp32 masters and AdamW alone: 16 B x 9.4 B = 140 GiB
+        parser.error("Qwen3.5-9B's full fine-tuning does not fit one GPU: add --lora")
+    args.gpu_memory_utilization = args.gpu_memory_utilization or (0.4 if args.family == "qwen3_5" else 0.2)
+    return args
 
 
 def main(argv=None):
@@ -301,16 +349,17 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data_dir = args.model_dir or os.path.join(tmp, "model"), os.path.join(tmp, "data")
         argv = trainer_argv(model_dir, data_dir, os.path.join(tmp, "run"), args)
-        write_config_only(tmp)  # the plan first: a run that cannot fit stops before minutes of building
+        write_config_only(tmp, args.family)  # the plan first: a run that cannot fit stops before minutes of building
         cfg, plan, plan_text, problem = memory_plan([argv[0], *argv[1:], f"actor.model_path={tmp}"])
         if problem:
             raise SystemExit(f"{plan_text}\nthe run does not fit: {problem}")
         phases = {k: sum(v.values()) / 2**30 for k, v in plan.numbers["phases"].items()}
         t0 = time.perf_counter()
-        n_params, n_text, n_vision = build_model(model_dir)
+        n_params, n_text, n_vision = build_model(model_dir, args.family)
         make_geo3k_like(f"{data_dir}/train.parquet", n_rows=max(64, args.prompts * (args.steps + 1)), seed=0,
                         image_size=(400, 700))  # fmt: skip
-        print(f"a random {n_params / 1e9:.2f} B-parameter Qwen2.5-VL ready in {time.perf_counter() - t0:.0f}s")
+        shape = SHAPES[args.family][1]
+        print(f"a random {n_params / 1e9:.2f} B-parameter {shape} ready in {time.perf_counter() - t0:.0f}s")
         torch.cuda.reset_peak_memory_stats()
         steps, measured = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
         peak_gib = max(measured.values())
@@ -342,6 +391,8 @@ def main(argv=None):
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "engine": args.engine,
+        "model": SHAPES[args.family][1],
+        "fla": __import__("runtime").library_versions()["fla"],
         "mode": "lora" if args.lora else "full (vision tower frozen)",
         "overrides": args.set,
         "params": n_params,
@@ -363,12 +414,13 @@ def main(argv=None):
         "packed_vs_padded_logprob_diff": agreement,
         "tower_varlen_vs_sdpa": tower,
     }
-    tag = "lora" if args.lora else "full"
+    tag = ("lora" if args.lora else "full") + ("" if args.family == "qwen2_5_vl" else f"_{args.family}")
     with open(os.path.join(out, f"gpu_check_{tag}.json"), "w") as f:
         json.dump({**result, "metrics": steps, "plan": plan_text}, f, indent=2)
     mfu = f"{result['mfu_training_phases']:.1%}" if peak else "n/a (pass --peak-tflops)"
     print(
-        f"gpu check on {name} ({args.engine} engine, {result['mode']}, {len(steps)} steps of {args.prompts} x "
+        f"gpu check on {name} ({result['model']}, {args.engine} engine, {result['mode']}, {len(steps)} steps of "
+        f"{args.prompts} x "
         f"{args.n}; torch {result['torch']}, transformers {result['transformers']}):\n"
         f"  tokens/s per GPU {result['tokens_per_s_per_gpu']:.0f} | step {med['time/step']:.1f}s (rollout "
         f"{med['time/rollout']:.1f}s, ref log-probs {med['time/logprobs']:.1f}s, update {med['time/train']:.1f}s)\n"

@@ -1,5 +1,6 @@
 """The parts of bench/gpu_check.py that do not need a GPU, so that a session that is lent one spends it measuring,
-not fixing the script: the 3B architecture it builds, and the trainer command line it runs."""
+not fixing the script: the 3B and Qwen3.5-9B architectures it builds, the trainer command line it runs, and its
+comparisons."""
 
 import importlib.util
 import os
@@ -36,11 +37,28 @@ def test_gpu_check_builds_the_real_3b_shape():
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
 
 
+def test_gpu_check_builds_the_real_qwen3_5_9b_shape():
+    """Guards against a Qwen3.5 check that measures some other model: --family qwen3_5's config must give Qwen3.5-9B's
+    exact parameter count as transformers loads it (9,409,813,744; memory_plan's known shape), 24 linear-attention
+    layers of 32, and untied embeddings."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    gpu_check = load_gpu_check()
+    config = gpu_check.qwen3_5_9b_config(gpu_check.real_size_tokenizer("qwen3_5"))
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(config)
+    assert sum(p.numel() for p in model.parameters()) == 9_409_813_744
+    layers = model.model.language_model.layers
+    assert sum(hasattr(layer, "linear_attn") for layer in layers) == 24 and len(layers) == 32
+    assert model.lm_head.weight is not model.model.language_model.embed_tokens.weight
+
+
 def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     """Guards against overrides that the trainer rejects (a renamed key, a batch that does not divide) surfacing
     only after minutes of model building on a lent GPU."""
     gpu_check = load_gpu_check()
     for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"], ["--lora"],
+                 ["--family", "qwen3_5", "--lora"],
                  ["--set", "actor.ref_offload=true", "--set", "data.max_response_length=64"]):  # fmt: skip
         args = gpu_check.parse_args(argv)
         path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
@@ -50,10 +68,17 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
         assert cfg.actor.max_tokens_per_micro_batch > 0 and cfg.actor.padding_free  # the packed path is what runs
         assert not cfg.trainer.export_hf  # no 15 GB fp32 export written for nothing
         assert cfg.actor.lora_rank == (8 if args.lora else 0) and cfg.trainer.n_gpus_per_node == 1
+        assert cfg.rollout.gpu_memory_utilization == (0.4 if args.family == "qwen3_5" else 0.2)
     assert cfg.actor.ref_offload and cfg.data.max_response_length == 64  # --set comes last, and wins
+    with pytest.raises(SystemExit):  # Qwen3.5-9B's full fine-tuning: 140 GiB of fp32 state before anything else
+        gpu_check.parse_args(["--family", "qwen3_5"])
 
 
-@pytest.mark.parametrize("argv", [[], ["--engine", "hf"], ["--lora"], ["--engine", "hf", "--lora"]])
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["--engine", "hf"], ["--lora"], ["--engine", "hf", "--lora"], ["--family", "qwen3_5", "--lora"],
+     ["--family", "qwen3_5", "--lora", "--engine", "hf"]],
+)  # fmt: skip
 def test_gpu_check_dry_run_fits_one_80gb_gpu(argv, capsys, monkeypatch):
     """Guards against a GPU check that its own trainer refuses on the GPU it is meant for (the plan once counted
     every decode step's logits: 101 GiB for one 80 GiB GPU): the dry run, on this GPU-less machine, plans exactly
@@ -64,12 +89,14 @@ def test_gpu_check_dry_run_fits_one_80gb_gpu(argv, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "world 1, 1 x 80.0 GiB per node (no GPU here: assumed)" in out and "-> fits" in out
     assert "fits one GPU" in out and ("LoRA" in out) == ("--lora" in argv)
+    assert ("Qwen3.5-9B" in out) == ("qwen3_5" in argv) and ("9.41 B" in out) == ("qwen3_5" in argv)
     # and a run that cannot fit says so and exits non-zero
     assert load_gpu_check().main(["--dry-run", "--set", "actor.freeze_vision_tower=false"]) == 1
     assert "does not fit" in capsys.readouterr().out
 
 
-def test_gpu_check_tower_comparison_runs_on_cpu(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_gpu_check_tower_comparison_runs_on_cpu(tiny_family_dir, tmp_path, monkeypatch, family):
     """Guards against the tower comparison itself being broken, or comparing a path with itself: on CPU with the
     varlen kernel swapped for the per-sequence reference, the tower's one-call-per-block varlen path equals its sdpa
     loop over images and windows (fp32), and the kernel really ran, once per block, non-causal."""
@@ -85,20 +112,22 @@ def test_gpu_check_tower_comparison_runs_on_cpu(tiny_model_dir, tmp_path, monkey
     monkeypatch.setattr(models, "varlen_kernel", kernel)
     make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)
     gpu_check = load_gpu_check()
-    diff = gpu_check.tower_varlen_vs_sdpa(tiny_model_dir, str(tmp_path), torch.device("cpu"), "varlen_packed")
+    path = tiny_family_dir(family)
+    diff = gpu_check.tower_varlen_vs_sdpa(path, str(tmp_path), torch.device("cpu"), "varlen_packed")
     assert diff["max"] < 1e-5 and diff["mean_abs_feature"] > 1e-3 and diff["tokens"] > 4
-    depth = AutoConfig.from_pretrained(tiny_model_dir).vision_config.depth
+    depth = AutoConfig.from_pretrained(path).vision_config.depth
     assert calls == [False] * depth
 
 
-def test_gpu_check_logprob_agreement_runs_on_cpu(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_gpu_check_logprob_agreement_runs_on_cpu(tiny_family_dir, tmp_path, family):
     """Guards against the agreement check itself being broken (it only runs at the end of a GPU session): on CPU in
     fp32 both the packed and the shared-prefix layouts must equal the padded one."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     gpu_check = load_gpu_check()
     make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)
-    diffs = gpu_check.packed_vs_padded(tiny_model_dir, str(tmp_path), 24, device=torch.device("cpu"))
+    diffs = gpu_check.packed_vs_padded(tiny_family_dir(family), str(tmp_path), 24, device=torch.device("cpu"))
     assert diffs["attention"] == "sdpa_packed"
     for name in ("packed", "shared_prefix"):
         assert diffs[name]["max"] < 1e-4, (name, diffs[name])
