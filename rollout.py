@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -40,13 +40,23 @@ class SamplingParams:
 
 @dataclass
 class Prompt:
-    """A prompt as the trainer's model sees it (image pads expanded by the processor) plus the raw images, which
-    engines with their own image processing need."""
+    """A prompt as the trainer's model sees it (image and video pads expanded by the processor) plus the raw images
+    and videos, which engines with their own image processing need."""
 
     input_ids: torch.Tensor  # (P,)
     pixel_values: torch.Tensor | None  # (patches, dim) for all images of the prompt
     image_grid_thw: torch.Tensor | None  # (images, 3)
     images: list
+    # (P,) the processor's mm_token_type_ids: 0 text, 1 image, 2 video token; None: image tokens found by their id
+    token_types: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None  # (patches, dim) for all videos of the prompt
+    video_grid_thw: torch.Tensor | None = None  # (videos, 3)
+    second_per_grid_ts: torch.Tensor | None = None  # (videos,) Qwen2.5-VL: seconds per temporal patch, for mRoPE
+    videos: list = field(default_factory=list)  # video.Video: the frames and their timing
+
+
+# what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass
@@ -59,8 +69,24 @@ class Sample:
 
 
 def encode_prompt(processor, example) -> Prompt:
-    out = processor(text=[example.prompt], images=example.images or None, return_tensors="pt")
-    return Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images))
+    videos = getattr(example, "videos", [])
+    # the frames come sampled and sized (video.py); the metadata places them in time
+    kwargs = {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos]} if videos else {}
+    out = processor(text=[example.prompt], images=example.images or None, return_tensors="pt", **kwargs)
+    types = out.get("mm_token_type_ids")
+    return Prompt(
+        out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images),
+        token_types=None if types is None else types[0], pixel_values_videos=out.get("pixel_values_videos"),
+        video_grid_thw=out.get("video_grid_thw"), second_per_grid_ts=out.get("second_per_grid_ts"), videos=videos,
+    )  # fmt: skip
+
+
+def token_types(prompt: Prompt, image_token_id: int) -> torch.Tensor:
+    """(P,) 0 text, 1 image, 2 video token: transformers 5.x builds the 3-D (mRoPE) positions only when told which
+    tokens are which, and spaces a video's temporal positions differently from an image's."""
+    if prompt.token_types is not None:
+        return prompt.token_types.long()
+    return (prompt.input_ids == image_token_id).long()
 
 
 def vision_token_ids(tokenizer, tokens=models.VISION_TOKENS) -> list[int]:
@@ -81,33 +107,29 @@ def collate(prompts, responses, pad_id, image_token_id):
     t_len = max(len(r) for r in responses)
     batch = len(prompts)
     input_ids = torch.full((batch, p_len + t_len), pad_id, dtype=torch.long)  # (B, L)
+    types = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
     response_mask = torch.zeros((batch, t_len), dtype=torch.float32)  # (B, T)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         start = p_len - len(p.input_ids)
         input_ids[i, start:p_len] = p.input_ids
+        types[i, start:p_len] = token_types(p, image_token_id)
         input_ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
         attention_mask[i, start : p_len + len(r)] = 1
         response_mask[i, : len(r)] = 1
-    inputs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        # transformers 5.x builds Qwen2.5-VL's 3-D (mRoPE) positions only when told which tokens are image tokens
-        "mm_token_type_ids": (input_ids == image_token_id).long(),
-    }
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
     return {**inputs, **stacked_images(prompts)}, input_ids[:, p_len:], response_mask
 
 
 def stacked_images(prompts) -> dict:
-    """pixel_values and image_grid_thw of all the prompts' images, in prompt order (the order their image tokens
-    take in the batch), or nothing when no prompt has one."""
-    with_images = [p for p in prompts if p.pixel_values is not None]
-    if not with_images:
-        return {}
-    return {
-        "pixel_values": torch.cat([p.pixel_values for p in with_images]),
-        "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]),
-    }
+    """The VISION_INPUTS of all the prompts' images and videos, each in prompt order (the order their tokens take in
+    the batch); an input no prompt has is left out."""
+    stacked = {}
+    for key in VISION_INPUTS:
+        values = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
+        if values:
+            stacked[key] = torch.cat(values)
+    return stacked
 
 
 def pack(prompts, responses, image_token_id, share_prompts=False):
@@ -124,21 +146,23 @@ def pack(prompts, responses, image_token_id, share_prompts=False):
     t_len = max(len(r) for r in responses)
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, part_prompts, group_sizes = [], [], []
+    pieces, types, part_prompts, group_sizes = [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
         if not (share_prompts and i > 0 and p is prompts[i - 1]):
             pieces.append(p.input_ids)
+            types.append(token_types(p, image_token_id))
             part_prompts.append(p)
             group_sizes.append(0)
         pieces.append(r)
+        types.append(torch.zeros_like(r))  # answers are text: vision tokens are never sampled
         group_sizes[-1] += 1
         response_ids[i, : len(r)] = r
         response_mask[i, : len(r)] = 1
     input_ids = torch.cat(pieces)[None]  # (1, L)
     inputs = {
         "input_ids": input_ids,
-        "mm_token_type_ids": (input_ids == image_token_id).long(),  # (1, L)
+        "mm_token_type_ids": torch.cat(types)[None],  # (1, L)
         "prompt_lens": torch.tensor([len(p.input_ids) for p in part_prompts]),  # (G,)
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
@@ -234,7 +258,7 @@ class HFEngine:
         if fewest > 0 or count == 0:
             return count, prompts[-1:]
         offered = [None] * world
-        mine = [Prompt(p.input_ids, p.pixel_values, p.image_grid_thw, []) for p in prompts[-1:]]  # no PIL images
+        mine = [replace(p, images=[], videos=[]) for p in prompts[-1:]]  # no PIL frames
         dist.all_gather_object(offered, mine)
         return count, next(o for o in offered if o)
 
@@ -245,8 +269,12 @@ class HFEngine:
         device = models.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        if "pixel_values" not in inputs and models.generate_encodes_images_first(self.model):
-            models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
+        if models.generate_encodes_images_first(self.model):
+            if "pixel_values" in inputs and "pixel_values_videos" in inputs:  # one tower pass, not one per modality
+                pixels = [inputs.pop(k) if k.startswith("pixel") else inputs[k] for k in VISION_INPUTS[:4]]
+                inputs["mm_encoder_outputs"] = models.encode_vision(self.model, *pixels)
+            elif "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
+                models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
         sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []
