@@ -289,6 +289,32 @@ def _segmentwise(forward):
     return packed_forward
 
 
+def text_after_vision_continues(model):
+    """Make the model's get_rope_index start the text after an image or video at 1 + the largest position so far, as
+    Qwen's reference code and vLLM do (st_idx = max + 1). transformers 5.17-5.19 start it at the vision block's first
+    position + its larger spatial side instead, which is the same for an image but not for a Qwen2.5-VL video whose
+    temporal positions (frame pairs x tokens_per_second x seconds per pair) run past its spatial ones: the text after
+    it would overlap the video's positions, and the trainer's log-probs would differ from vLLM's (measured: 0.06 on a
+    tiny model). Qwen3-VL and Qwen3.5 give every frame pair its own block at one temporal position: no change there.
+    Wrapped on the instance, so the padded forward, packed_positions and generate all get it."""
+    inner = model.model.get_rope_index
+
+    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
+        positions, _ = inner(input_ids, mm_token_type_ids, *args, attention_mask=attention_mask, **kwargs)  # (3, B, L)
+        deltas = []
+        for b in range(input_ids.shape[0]):
+            keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(input_ids[b]).bool()
+            pos, types = positions[:, b, keep], mm_token_type_ids[b, keep].tolist()  # (3, n), n
+            for i in range(1, len(types)):
+                if types[i] != types[i - 1] and types[i - 1] != 0:  # the first token after a vision block
+                    pos[:, i:] += pos[:, :i].max() + 1 - pos[0, i]
+            positions[:, b, keep] = pos
+            deltas.append(pos.max() + 1 - len(types) if len(types) else 0)
+        return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+
+    model.model.get_rope_index = get_rope_index
+
+
 def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens, host_types=None,
                      video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
     """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
@@ -561,6 +587,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         raise ValueError(f"{path}: {problem}")
     if family(model).linear_attention:
         segmentwise_linear_attention(model)
+    text_after_vision_continues(model)
     use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

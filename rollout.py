@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import lora
 import models
+from video import video_processor_size
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Prompt:
     video_grid_thw: torch.Tensor | None = None  # (videos, 3)
     second_per_grid_ts: torch.Tensor | None = None  # (videos,) Qwen2.5-VL: seconds per temporal patch, for mRoPE
     videos: list = field(default_factory=list)  # video.Video: the frames and their timing
+    # the chat template's tokens, one pad per image and video: what engines that expand the pads themselves get
+    template_ids: list[int] | None = None
 
 
 # what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
@@ -78,6 +81,7 @@ def encode_prompt(processor, example) -> Prompt:
         out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images),
         token_types=None if types is None else types[0], pixel_values_videos=out.get("pixel_values_videos"),
         video_grid_thw=out.get("video_grid_thw"), second_per_grid_ts=out.get("second_per_grid_ts"), videos=videos,
+        template_ids=processor.tokenizer(example.prompt)["input_ids"],
     )  # fmt: skip
 
 
@@ -304,6 +308,23 @@ def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:
     return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
 
 
+def engine_prompt_ids(prompt: Prompt, image_token_id: int) -> list[int]:
+    """The prompt as vLLM takes it: one pad per image and video, which it expands itself. Qwen3-VL's videos expand
+    into more than pads (a timestamp and vision start/end tokens per frame pair), so the template's own tokens are
+    used where the prompt has them."""
+    if prompt.template_ids is not None:
+        return list(prompt.template_ids)
+    return collapse_image_pads(prompt.input_ids.tolist(), image_token_id)
+
+
+def engine_video(clip) -> tuple:
+    """A video as vLLM takes it: the frames as one (T, H, W, 3) uint8 array, and the metadata that places them in
+    time, marked as sampled already (vLLM would otherwise sample again at its processor's default rate)."""
+    import numpy as np
+
+    return np.stack([np.asarray(f) for f in clip.frames]), {**dict(clip.metadata()), "do_sample_frames": False}
+
+
 def request_seed(member_seed: int, prompt: int, n: int) -> int:
     """Per-request seed: a prompt's n samples draw from seed .. seed + n - 1 (vLLM gives the i-th of n seed + i),
     so every (step, rank, prompt, sample) has its own stream and a resumed run samples what an uninterrupted one
@@ -360,7 +381,11 @@ class VLLMEngine:
         r, d = cfg.rollout, cfg.data
         rank = dist.get_rank()
         family = models.family_of(cfg.actor.model_path)
-        self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
+        self.tp, self.max_images, self.max_videos = (
+            r.tensor_parallel_size,
+            r.max_images_per_prompt,
+            r.max_videos_per_prompt,
+        )
         on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -388,6 +413,12 @@ class VLLMEngine:
                 "max_num_batched_tokens": max(max_model_len, 8192),
                 **family.vllm_cpu_kwargs,
             }
+        ip, vp = processor.image_processor, processor.video_processor
+        if [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
+            # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where
+            # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
+            # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
+            platform["mm_device_do_normalize"] = False
         self.llm = LLM(
             model=cfg.actor.model_path,
             dtype=self.dtype,
@@ -398,9 +429,19 @@ class VLLMEngine:
             enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
             max_model_len=max_model_len,
             max_num_seqs=r.max_num_seqs,
-            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": 0},
-            # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
-            mm_processor_kwargs={"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}},
+            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
+            # The same image bounds as the trainer's processor, so an image becomes the same number of tokens; videos
+            # come sampled and sized (video.py) and get the bounds under which the trainer's processor keeps them as
+            # they are. Scoped per modality: a plain `size` would bound the videos' frames by the images' budget.
+            mm_processor_kwargs={
+                "images_kwargs": {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}},
+                "videos_kwargs": {
+                    "size": video_processor_size(
+                        processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames
+                    ),
+                    "do_sample_frames": False,
+                },
+            },  # fmt: skip
             # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
             # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
             # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
@@ -484,10 +525,14 @@ class VLLMEngine:
         if self.offload is not None:  # the sync has read the policy: its state can leave before the KV cache wakes
             self.offload.offload(self.timings)
         self._wake(["weights", "kv_cache"])
-        most_images = max((len(p.images) for p in prompts), default=0)
-        if most_images > self.max_images:
-            raise ValueError(f"a prompt has {most_images} images: raise rollout.max_images_per_prompt")
-        mine = [(collapse_image_pads(p.input_ids.tolist(), self.image_token_id), p.images) for p in prompts]
+        for what, most, limit in (
+            ("images", max((len(p.images) for p in prompts), default=0), self.max_images),
+            ("videos", max((len(p.videos) for p in prompts), default=0), self.max_videos),
+        ):
+            if most > limit:
+                raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
+        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos])
+                for p in prompts]  # fmt: skip
         groups = [(mine, seed)]
         if self.tp_group is not None:  # every member of a TP group must submit the same requests
             groups = [None] * self.tp
@@ -495,10 +540,11 @@ class VLLMEngine:
         requests, sampling = [], []
         greedy = params.temperature <= 0
         for member_prompts, member_seed in groups:
-            for i, (ids, images) in enumerate(member_prompts):
+            for i, (ids, images, videos) in enumerate(member_prompts):
                 request = {"prompt_token_ids": ids}
-                if images:
-                    request["multi_modal_data"] = {"image": images}
+                mm_data = {"image": images, "video": videos}
+                if images or videos:
+                    request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
                 requests.append(request)
                 sampling.append(
                     VSamplingParams(
