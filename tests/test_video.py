@@ -235,3 +235,61 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
             if layout == "packed":
                 torch.testing.assert_close(logp, plain[name], rtol=1e-5, atol=1e-5)
         assert len(calls) == 2, (name, len(calls))  # one per forward
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_hf_engine_samples_and_scores_video_prompts(tiny_family_dir, family):
+    """Guards against the HF engine dropping or mis-timing videos: greedy answers to video prompts (alone, with an
+    image -- encoded in one tower pass and handed to generate -- and beside text) must be generate's own greedy
+    answers given the raw pixels, and their log-probs those of a padded forward over prompt and answer."""
+    from tests.hf_engine_check import hf_engine, tiny_policy
+
+    processor = _processor(tiny_family_dir, family)
+    model = tiny_policy(tiny_family_dir(family), processor)
+    engine = hf_engine(processor, max_num_seqs=256)
+    engine.sync_weights(model)
+    prompts = _video_batch(processor)[0]
+    prompts = [prompts[i] for i in (0, 1, 3)]
+    params = rollout.SamplingParams(0.0, 1.0, 8)
+    samples = engine.generate(prompts, 1, params, seed=3)
+    batch, response_ids, mask = rollout.collate(prompts, [s.response_ids for s in samples], engine.pad_id,
+                                                engine.image_token_id)  # fmt: skip
+    with torch.no_grad():
+        logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0] * mask
+    from transformers import GenerationConfig
+
+    for row, (p, s) in enumerate(zip(prompts, samples)):
+        torch.testing.assert_close(torch.tensor(s.logprobs), logp[row, : len(s.logprobs)], rtol=0, atol=1e-5)
+        inputs = rollout.collate([p], [[]], engine.pad_id, engine.image_token_id)[0]
+        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=sorted(engine.eos_ids),
+                                   pad_token_id=engine.pad_id, suppress_tokens=engine.forbidden)  # fmt: skip
+        with torch.no_grad():
+            plain = model.generate(**inputs, generation_config=gen_cfg)[0, inputs["input_ids"].shape[1] :].tolist()
+        end = next((t + 1 for t, tok in enumerate(plain) if tok in engine.eos_ids), len(plain))
+        assert s.response_ids == plain[:end], row
+    # with the trainer's hook, a generate call with images and videos runs the tower once, as does its scoring
+    models.add_vision_dummy(model)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    again = engine.generate(prompts[1:2], 1, params, seed=3)
+    assert len(calls) == 2 and again[0].response_ids == samples[1].response_ids
+
+
+def test_text_after_a_video_continues_after_its_last_position(tiny_family_dir):
+    """Guards against the trainer placing the text after a Qwen2.5-VL video inside the video's temporal positions
+    (transformers 5.17-5.19 continue at the block's start + its spatial side; Qwen's reference code and vLLM at the
+    largest position + 1): the log-probs would differ from vLLM's by 0.06 here. A video of 3 frame pairs at 1 s per
+    pair spans temporal positions start .. start + 4, past its 2 x 4 spatial ones."""
+    processor = _processor(tiny_family_dir, "qwen2_5_vl")
+    model = models.load_model(tiny_family_dir("qwen2_5_vl"), torch.device("cpu"), "sdpa")
+    video.set_video_range(processor, BUDGET["video_min_pixels"], BUDGET["video_max_pixels"], BUDGET["max_frames"])
+    p = _prompt(processor, "Count.", videos=[_video(processor, _frames(6, (112, 56)))])
+    assert p.video_grid_thw[0].tolist() == [3, 4, 8] and p.second_per_grid_ts.tolist() == [1.0]
+    args = (p.input_ids[None], p.token_types[None], None, p.video_grid_thw)
+    ours, _ = model.model.get_rope_index(*args, second_per_grid_ts=p.second_per_grid_ts)  # (3, 1, L)
+    library, _ = type(model.model).get_rope_index(model.model, *args, second_per_grid_ts=p.second_per_grid_ts)
+    vid = (p.token_types == 2).nonzero().flatten()
+    after = vid[-1] + 1
+    assert ours[:, 0, after].tolist() == [ours[:, 0, vid].max() + 1] * 3
+    assert library[:, 0, after].max() <= library[:, 0, vid].max()  # the overlap this fixes
+    assert torch.equal(ours[:, 0, :after], library[:, 0, :after])  # nothing before it moves
