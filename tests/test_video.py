@@ -293,3 +293,21 @@ def test_text_after_a_video_continues_after_its_last_position(tiny_family_dir):
     assert ours[:, 0, after].tolist() == [ours[:, 0, vid].max() + 1] * 3
     assert library[:, 0, after].max() <= library[:, 0, vid].max()  # the overlap this fixes
     assert torch.equal(ours[:, 0, :after], library[:, 0, :after])  # nothing before it moves
+
+
+def test_memory_plan_bounds_the_tokens_of_a_clip():
+    """Guards against a plan that undercounts videos: its tokens per clip at the video budget must bound what
+    load_video's frames become for any frame shape, and not by much (Qwen2.5-VL's 28 px and Qwen3-VL's 32 px grid)."""
+    import memory_plan
+
+    for patch, frames in ((14, 32), (16, 7)):
+        shape = memory_plan.ModelShape(1, 1, 1, 1, 1, 1, False, patch=patch)
+        clip, pair = memory_plan.video_clip_tokens(shape, frames, 65536)
+        side = 2 * patch
+        counts = []
+        for w in range(64, 2000, 37):
+            for h in (w // 3, w // 2, w, 2 * w):
+                fw, fh = video.frame_size(w, h, 16384, 65536, side)
+                counts.append((fw // side) * (fh // side))
+        assert max(counts) <= pair and max(counts) >= 0.9 * pair, (max(counts), pair)
+        assert clip == (frames + 1) // 2 * pair
