@@ -36,16 +36,19 @@ class Video:
     fps: float  # frame rate of the source the indices count in
     indices: list[int]  # each frame's index in its source (a repeated last frame repeats its index)
     total: int  # frames in the source
+    sampled: int  # frames sampled, before the last one was repeated to make the count even
 
     def metadata(self):
         """What the processors need to place the frames in time: Qwen2.5-VL's mRoPE spaces the temporal positions by
         the sampled frame rate (second_per_grid_ts), Qwen3-VL and Qwen3.5 write each frame pair's time into the
-        prompt (`<1.2 seconds>`)."""
+        prompt (`<1.2 seconds>`). The indices are those sampled, without the repeated last frame: the frame rate
+        the processors derive from them (sampled / total x fps) is then the true one, and they pad the indices to
+        pairs for the timestamps themselves, as they pad the frames."""
         from transformers.video_utils import VideoMetadata
 
         width, height = self.frames[0].size
         return VideoMetadata(total_num_frames=self.total, fps=self.fps, width=width, height=height,
-                             duration=self.total / self.fps, frames_indices=list(self.indices))  # fmt: skip
+                             duration=self.total / self.fps, frames_indices=self.indices[: self.sampled])  # fmt: skip
 
 
 def is_frame_list(value) -> bool:
@@ -125,6 +128,7 @@ def load_video(source, fps: float, max_frames: int, min_pixels: int, max_pixels:
         raise ValueError("no frames")
     total = len(frames)
     indices = evenly(total, sampled_count(total, src_fps, fps, max_frames))
+    sampled = len(indices)
     if len(indices) % 2:  # the towers take frames in pairs: repeat the last, as the processors would
         indices.append(indices[-1])
     size = frame_size(*frames[0].size, min_pixels, max_pixels, side)
@@ -132,7 +136,7 @@ def load_video(source, fps: float, max_frames: int, min_pixels: int, max_pixels:
     for i in set(indices):
         frame = to_rgb(frames[i])
         picked[i] = frame if frame.size == size else frame.resize(size, Image.Resampling.BICUBIC)
-    return Video([picked[i] for i in indices], src_fps, indices, total)
+    return Video([picked[i] for i in indices], src_fps, indices, total, sampled)
 
 
 def video_processor_size(video_processor, min_pixels: int, max_pixels: int, max_frames: int) -> dict:

@@ -105,6 +105,10 @@ def test_video_token_count_equals_the_processors(tiny_family_dir, family):
         grid = video.video_grid(processor.video_processor, len(clip.frames), w, h)
         assert out["video_grid_thw"][0].tolist() == grid  # the processor resized nothing
         assert out["input_ids"].shape[1] == 2 + video.video_token_count(processor, clip), (family, n, size)
+        if "second_per_grid_ts" in out:  # a pair of frames at 2 fps is a second, a repeated last frame included;
+            # 12 frames (6 s) thinned to max_frames 8 are 8 over 6 s
+            fps = min(n, BUDGET["max_frames"]) / n * BUDGET["video_fps"]
+            torch.testing.assert_close(out["second_per_grid_ts"], torch.tensor([2 / fps]))
 
 
 def test_dataset_reads_frame_lists_and_files_and_skips_bad_videos(tiny_family_dir, tmp_path):
