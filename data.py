@@ -2,7 +2,7 @@
 
     rows, name = load_rows("data/geo3k/train.parquet")          # or "hiyouga/geometry3k@train"
     ds = PromptDataset("data/geo3k", processor, format_prompt="configs/format_prompt/geo3k.jinja")
-    ex = ds[0]        # Example: problem, answer, RGB images, chat messages, prompt text, source, token count
+    ex = ds[0]        # Example: problem, answer, RGB images, videos, chat messages, prompt text, source, token count
     for i in ShardSampler(len(ds), rank, world_size).indices(epoch): ...
 
 Data specs. `name@split` that is not a local path is a hub dataset (`datasets.load_dataset(name, split=split)`).
@@ -20,16 +20,21 @@ row's images in order, the format prompt goes around the last user turn's text, 
 replaces the default system prompt.
 `images` is a list (or one) of `{"bytes", "path"}` structs (bytes preferred; a relative path is relative to the
 data file's directory), path strings, raw bytes or PIL images; a missing `images` field means a text-only row.
-A bad row (missing or empty field, mark/image mismatch, an image that does not decode) is skipped with a warning
-naming file and row; only when no row survives is it an error.
+`videos` (data.video_key) is a list of videos, one `<video>` mark each (prepended after the images' marks when the
+problem has none): each a list of frames or a video file, sampled and resized by video.py to the video budget
+(video_fps, max_frames, video_min_pixels, video_max_pixels), apart from the images' budget.
+A bad row (missing or empty field, mark/image or mark/video mismatch, an image or video that does not decode, a video
+without frames) is skipped with a warning naming file and row; only when no row survives is it an error.
 
 Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
-decoded again in `__getitem__`, so eight ranks do not each hold every decoded image. They are converted to RGB
+decoded again in `__getitem__`, so eight ranks do not each hold every decoded image; videos likewise (decoded and
+sampled at construction to check and count them, again for each use). They are converted to RGB
 (alpha composited on white, 16-bit grey scaled to 8 bits) and scaled into [min_pixels, max_pixels].
 
 The processor. `PromptDataset` sets the processor's image pixel range to its own (`set_pixel_range`), because the
 trainer's forward pass must expand each image to exactly the token count computed here; give vLLM the same values
-in `mm_processor_kwargs`.
+in `mm_processor_kwargs`. It sets the video processor's too (video.set_video_range), so it takes the frames
+video.py made as they are.
 """
 
 import dataclasses
