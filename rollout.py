@@ -381,11 +381,8 @@ class VLLMEngine:
         r, d = cfg.rollout, cfg.data
         rank = dist.get_rank()
         family = models.family_of(cfg.actor.model_path)
-        self.tp, self.max_images, self.max_videos = (
-            r.tensor_parallel_size,
-            r.max_images_per_prompt,
-            r.max_videos_per_prompt,
-        )
+        self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
+        self.max_videos = r.max_videos_per_prompt
         on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -413,8 +410,16 @@ class VLLMEngine:
                 "max_num_batched_tokens": max(max_model_len, 8192),
                 **family.vllm_cpu_kwargs,
             }
+        # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
+        mm_kwargs = {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}
+        if self.max_videos:
+            # Videos come sampled and sized (video.py) and get the bounds under which the trainer's processor keeps
+            # them as they are. Scoped per modality: a plain `size` would bound video frames by the images' budget.
+            # (Only with videos on, so an image-only run passes vLLM what it always did.)
+            size = video_processor_size(processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames)
+            mm_kwargs = {"images_kwargs": mm_kwargs, "videos_kwargs": {"size": size, "do_sample_frames": False}}
         ip, vp = processor.image_processor, processor.video_processor
-        if [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
+        if self.max_videos and [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
             # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where
             # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
             # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
@@ -430,18 +435,7 @@ class VLLMEngine:
             max_model_len=max_model_len,
             max_num_seqs=r.max_num_seqs,
             limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
-            # The same image bounds as the trainer's processor, so an image becomes the same number of tokens; videos
-            # come sampled and sized (video.py) and get the bounds under which the trainer's processor keeps them as
-            # they are. Scoped per modality: a plain `size` would bound the videos' frames by the images' budget.
-            mm_processor_kwargs={
-                "images_kwargs": {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}},
-                "videos_kwargs": {
-                    "size": video_processor_size(
-                        processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames
-                    ),
-                    "do_sample_frames": False,
-                },
-            },  # fmt: skip
+            mm_processor_kwargs=mm_kwargs,
             # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
             # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
             # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
