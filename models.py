@@ -19,6 +19,7 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -711,22 +712,41 @@ def generate_encodes_images_first(model) -> bool:
 
 
 def encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw) -> dict:
-    """The vision tower's outputs for a forward's images and videos from ONE tower pass, as the model's forward takes
-    them (`mm_encoder_outputs`). The model's own forward runs the tower once for the images and once more for the
-    videos: two FSDP2 all-gathers on a rank whose micro-batch has both, one on a rank with only either, and the
-    collectives fall out of step (see add_vision_dummy). The tower treats every image and video as its own sequence
-    (its attention is bounded by each one's grid), so one pass over all of them gives what two passes would."""
+    """{"image": ..., "video": ...}: what the model's get_image_features and get_video_features return for a forward's
+    images and videos, from ONE tower pass over both. The model's own forward runs the tower once for the images and
+    once more for the videos: two FSDP2 all-gathers on a rank whose micro-batch has both, one on a rank with only
+    either, and the collectives fall out of step (see add_vision_dummy). The tower treats every image and video as
+    its own sequence (its attention is bounded by each one's grid), so one pass over all of them gives what two
+    passes would."""
+    inner = model.model
     grids = torch.cat([image_grid_thw, video_grid_thw])  # (images + videos, 3)
-    out = model.model.get_image_features(torch.cat([pixel_values, pixel_values_videos]), grids, return_dict=True)
-    n = len(image_grid_thw)
+    out = type(inner).get_image_features(inner, torch.cat([pixel_values, pixel_values_videos]), grids, return_dict=True)
+    n, tokens = len(image_grid_thw), int(image_grid_thw.prod(-1).sum()) // inner.visual.spatial_merge_size**2
     split = {}
-    for name, items in (("image", slice(0, n)), ("video", slice(n, None))):
-        part = type(out)(**out)  # pooler_output: a tuple of per-item embeddings; Qwen3-VL's deepstack lists likewise
-        part.pooler_output = out.pooler_output[items]
-        if getattr(out, "deepstack_features", None) is not None:
-            part.deepstack_features = [feat[items] for feat in out.deepstack_features]
+    for name, items, rows in (("image", slice(0, n), slice(0, tokens)), ("video", slice(n, None), slice(tokens, None))):
+        part = type(out)(**out)
+        part.pooler_output = out.pooler_output[items]  # a tuple of per-item embeddings
+        if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, split per item (5.19) or not
+            part.deepstack_features = [f[rows] if torch.is_tensor(f) else f[items] for f in out.deepstack_features]
         split[name] = part
     return split
+
+
+@contextlib.contextmanager
+def one_vision_pass(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+    """Within it, the model's get_image_features and get_video_features return the two halves of one tower pass over
+    the images and videos (encode_vision) instead of running the tower each. Overriding the two methods on the
+    instance leaves the model's forward and generate on their own paths, which differ between transformers 5.17 and
+    5.19 (only 5.19 takes precomputed `mm_encoder_outputs`)."""
+    inner = model.model
+    encoded = encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+    # named as the methods' own arguments: 5.19's generate looks for them to decide what to encode before its prefill
+    inner.get_image_features = lambda pixel_values=None, image_grid_thw=None, **kwargs: encoded["image"]
+    inner.get_video_features = lambda pixel_values_videos=None, video_grid_thw=None, **kwargs: encoded["video"]
+    try:
+        yield
+    finally:
+        del inner.get_image_features, inner.get_video_features
 
 
 def add_vision_dummy(model):
@@ -747,21 +767,22 @@ def add_vision_dummy(model):
     text-only forward. Decode steps never run the tower (generate drops the pixels after the prefill), and a prefill
     whose images generate encoded beforehand (`mm_encoder_outputs` given, even empty) is left to the caller:
     rollout.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
-    pending = []
+    pending, passes = [], []
 
     def before(module, args, kwargs):
         cache = kwargs.get("past_key_values")
         starts = cache is None or cache.get_seq_length() == 0
         images, videos = kwargs.get("pixel_values"), kwargs.get("pixel_values_videos")
-        if images is not None and videos is not None:
-            pixels = {"pixel_values": None, "pixel_values_videos": None}
-            encoded = encode_vision(model, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
-            return args, {**kwargs, **pixels, "mm_encoder_outputs": encoded}
+        if images is not None and videos is not None and "get_image_features" not in vars(model.model):
+            one_pass = one_vision_pass(model, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
+            one_pass.__enter__()
+            passes.append(one_pass)
         if images is None and videos is None and kwargs.get("mm_encoder_outputs") is None and starts:
             pending.append(vision_dummy(model))
-        return None
 
     def after(module, args, kwargs, out):
+        if passes:
+            passes.pop().__exit__(None, None, None)
         if pending:
             hidden = out.last_hidden_state
             zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0

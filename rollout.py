@@ -20,6 +20,7 @@ slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -273,14 +274,17 @@ class HFEngine:
         device = models.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        if models.generate_encodes_images_first(self.model):
-            if "pixel_values" in inputs and "pixel_values_videos" in inputs:  # one tower pass, not one per modality
-                pixels = [inputs.pop(k) if k.startswith("pixel") else inputs[k] for k in VISION_INPUTS[:4]]
-                inputs["mm_encoder_outputs"] = models.encode_vision(self.model, *pixels)
-            elif "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
+        one_pass = contextlib.nullcontext()
+        if "pixel_values" in inputs and "pixel_values_videos" in inputs:
+            # one tower pass for both, whether generate encodes them before its prefill (transformers 5.19) or the
+            # prefill's forward does (5.17)
+            one_pass = models.one_vision_pass(self.model, *(inputs[k] for k in VISION_INPUTS[:4]))
+        elif "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
+            if models.generate_encodes_images_first(self.model):
                 models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
-        sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
+        with one_pass:
+            sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []
         for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
             end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
