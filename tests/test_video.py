@@ -315,3 +315,41 @@ def test_memory_plan_bounds_the_tokens_of_a_clip():
                 counts.append((fw // side) * (fh // side))
         assert max(counts) <= pair and max(counts) >= 0.9 * pair, (max(counts), pair)
         assert clip == (frames + 1) // 2 * pair
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
+    """Guards against the CUDA attention path mishandling videos (run on CPU with the kernel swapped for its
+    reference, as tests/test_varlen.py does): the vision tower's varlen call must bound each frame pair's (and
+    window's) patches as the tower's own sdpa loop does, in one kernel call per block for all images and videos,
+    and the packed decoder must give the padded sdpa model's log-probs and tower gradients."""
+    from tests.test_varlen import reference_varlen
+
+    calls = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        calls.append((causal, len(cu_q) - 1))
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    processor = _processor(tiny_family_dir, family)
+    torch.manual_seed(0)
+    ref = models.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+    model = models.load_model(tiny_family_dir(family), torch.device("cpu"), "varlen_packed")
+    models.add_vision_dummy(model)  # as apply_fsdp does: one tower pass for the images and videos
+    pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
+    prompts, responses = _video_batch(processor)
+    padded, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
+    packed = rollout.pack(prompts, responses, image_token_id)[0]
+    results = []
+    for m, inputs in ((ref, padded), (model, packed)):
+        logp = models.forward_logprobs(m, inputs, response_ids, 1.0)[0]
+        (logp * mask).sum().backward()
+        results.append((logp.detach() * mask, m.model.visual.blocks[0].attn.qkv.weight.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-6)
+    vision = [n for causal, n in calls if not causal]
+    assert len(vision) == model.config.vision_config.depth  # one call per block for all images and videos
+    pairs = sum(int(p.video_grid_thw[:, 0].sum()) for p in prompts if p.video_grid_thw is not None)
+    images = sum(len(p.image_grid_thw) for p in prompts if p.image_grid_thw is not None)
+    assert min(vision) >= pairs + images  # every frame pair and image bounded on its own (windows may split more)
