@@ -68,17 +68,37 @@ def sampled_count(total: int, src_fps: float, fps: float, max_frames: int) -> in
     return max(1, min(total, max_frames, round(total / src_fps * fps)))
 
 
-def decode_file(source: bytes | str) -> tuple[list[Image.Image], float]:
-    """Every frame of a video file (path or bytes) as RGB PIL images, and its frame rate."""
+def decode_file(source: bytes | str, fps: float, max_frames: int) -> tuple[dict, list[int], int, float]:
+    """The frames of a video file (path or bytes) sampled at `fps` (at most max_frames): {index: PIL image}, the
+    sampled indices, the file's frame count and its frame rate. Two passes: the first counts the frames (a
+    container's own count can be missing or wrong), the second converts only the sampled ones, so a long video never
+    sits in memory decoded."""
     import av  # only here: the trainer imports without PyAV when no video file is read
 
-    with av.open(io.BytesIO(source) if isinstance(source, bytes) else source) as container:
+    def open_stream():
+        container = av.open(io.BytesIO(source) if isinstance(source, bytes) else source)
         stream = container.streams.video[0]
         rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-        frames = [frame.to_image() for frame in container.decode(stream)]
-    if not rate or float(rate) <= 0:
-        raise ValueError("the video stream has no frame rate")
-    return frames, float(rate)
+        if not rate or float(rate) <= 0:
+            container.close()
+            raise ValueError("the video stream has no frame rate")
+        return container, stream, float(rate)
+
+    container, stream, rate = open_stream()
+    with container:
+        total = sum(1 for _ in container.decode(stream))
+    if total == 0:
+        return {}, [], 0, rate
+    indices = evenly(total, sampled_count(total, rate, fps, max_frames))
+    wanted, picked = set(indices), {}
+    container, stream, _ = open_stream()
+    with container:
+        for i, frame in enumerate(container.decode(stream)):
+            if i in wanted:
+                picked[i] = frame.to_image()
+            if len(picked) == len(wanted):
+                break
+    return picked, indices, total, rate
 
 
 def frame_size(width: int, height: int, min_pixels: int, max_pixels: int, side: int) -> tuple[int, int]:
@@ -120,18 +140,18 @@ def load_video(source, fps: float, max_frames: int, min_pixels: int, max_pixels:
     decode or has no frame."""
     from data import open_image, to_rgb
 
-    if isinstance(source, list):  # frames: already sampled at `fps`
-        frames, src_fps = [open_image(s) for s in source], fps
+    if isinstance(source, list):  # frames: already sampled at `fps`, thinned to max_frames
+        total, src_fps = len(source), fps
+        indices = evenly(total, sampled_count(total, src_fps, fps, max_frames)) if total else []
+        frames = {i: open_image(source[i]) for i in set(indices)}
     else:
-        frames, src_fps = decode_file(source)
-    if not frames:
+        frames, indices, total, src_fps = decode_file(source, fps, max_frames)
+    if not indices:
         raise ValueError("no frames")
-    total = len(frames)
-    indices = evenly(total, sampled_count(total, src_fps, fps, max_frames))
     sampled = len(indices)
     if len(indices) % 2:  # the towers take frames in pairs: repeat the last, as the processors would
         indices.append(indices[-1])
-    size = frame_size(*frames[0].size, min_pixels, max_pixels, side)
+    size = frame_size(*frames[indices[0]].size, min_pixels, max_pixels, side)
     picked = {}
     for i in set(indices):
         frame = to_rgb(frames[i])

@@ -154,6 +154,8 @@ def test_dataset_reads_frame_lists_and_files_and_skips_bad_videos(tiny_family_di
         for a, b in zip(ex.videos[0].frames, listed.videos[0].frames):
             assert a.tobytes() == b.tobytes()
     assert faster.videos[0].fps == 6.0 and faster.videos[0].indices[-1] >= 21  # 8 of 24 frames, spread over all
+    picked, indices, total, rate = video.decode_file(at_6fps, 2.0, 8)  # only the sampled frames are converted
+    assert (total, rate, len(indices)) == (24, 6.0, 8) and sorted(picked) == indices
     encoded = [rollout.encode_prompt(processor, ds[i]) for i in range(3)]
     torch.testing.assert_close(encoded[1].pixel_values_videos, encoded[0].pixel_values_videos, rtol=0, atol=0)
     for ex, p in zip((listed, filed, faster), encoded):
