@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test demo demo-lora demo-vision bench lint tiny-assets clean
+.PHONY: venv test demo demo-lora demo-vision demo-video bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -36,6 +36,12 @@ demo-vision: tiny-assets
 	$(PY) -c "from scripts.make_synthetic_data import make_colour_task as m; \
 		m('outputs/tiny_vision_data/train.parquet', 128, 0); m('outputs/tiny_vision_data/val.parquet', 32, 1)"
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_vision.yaml
+
+# a task whose answer is only in a video's frames (how many of 4 are red): accuracy must rise well above the blind 1/4
+demo-video: tiny-assets
+	$(PY) -c "from scripts.make_synthetic_data import make_video_count_task as m; \
+		m('outputs/tiny_video_data/train.parquet', 128, 0); m('outputs/tiny_video_data/val.parquet', 32, 1)"
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_video.yaml
 
 # the demo with rank-8 LoRA adapters (README "LoRA": the tiny random model's frozen head caps the toy reward, so the
 # head is adapted too)

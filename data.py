@@ -2,7 +2,7 @@
 
     rows, name = load_rows("data/geo3k/train.parquet")          # or "hiyouga/geometry3k@train"
     ds = PromptDataset("data/geo3k", processor, format_prompt="configs/format_prompt/geo3k.jinja")
-    ex = ds[0]        # Example: problem, answer, RGB images, chat messages, prompt text, source, token count
+    ex = ds[0]        # Example: problem, answer, RGB images, videos, chat messages, prompt text, source, token count
     for i in ShardSampler(len(ds), rank, world_size).indices(epoch): ...
 
 Data specs. `name@split` that is not a local path is a hub dataset (`datasets.load_dataset(name, split=split)`).
@@ -20,16 +20,21 @@ row's images in order, the format prompt goes around the last user turn's text, 
 replaces the default system prompt.
 `images` is a list (or one) of `{"bytes", "path"}` structs (bytes preferred; a relative path is relative to the
 data file's directory), path strings, raw bytes or PIL images; a missing `images` field means a text-only row.
-A bad row (missing or empty field, mark/image mismatch, an image that does not decode) is skipped with a warning
-naming file and row; only when no row survives is it an error.
+`videos` (data.video_key) is a list of videos, one `<video>` mark each (prepended after the images' marks when the
+problem has none): each a list of frames or a video file, sampled and resized by video.py to the video budget
+(video_fps, max_frames, video_min_pixels, video_max_pixels), apart from the images' budget.
+A bad row (missing or empty field, mark/image or mark/video mismatch, an image or video that does not decode, a video
+without frames) is skipped with a warning naming file and row; only when no row survives is it an error.
 
 Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
-decoded again in `__getitem__`, so eight ranks do not each hold every decoded image. They are converted to RGB
+decoded again in `__getitem__`, so eight ranks do not each hold every decoded image; videos likewise (decoded and
+sampled at construction to check and count them, again for each use). They are converted to RGB
 (alpha composited on white, 16-bit grey scaled to 8 bits) and scaled into [min_pixels, max_pixels].
 
 The processor. `PromptDataset` sets the processor's image pixel range to its own (`set_pixel_range`), because the
 trainer's forward pass must expand each image to exactly the token count computed here; give vLLM the same values
-in `mm_processor_kwargs`.
+in `mm_processor_kwargs`. It sets the video processor's too (video.set_video_range), so it takes the frames
+video.py made as they are.
 """
 
 import dataclasses
@@ -38,13 +43,16 @@ import json
 import math
 import os
 import random
+import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
+
+from video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 IMAGE_MARK = "<image>"
@@ -223,13 +231,15 @@ def image_token_count(image_processor, width: int, height: int, min_pixels: int,
     return patches // image_processor.merge_size**2
 
 
-def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_pixels: int) -> None:
+def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_pixels: int, video_tokens=None):
     """Set each example's `num_prompt_tokens` without running the image processor on pixels: the prompt's text
-    tokens (one <|image_pad|> per image) plus, per image, the tokens that placeholder expands into minus itself."""
+    tokens (one <|image_pad|> per image, one <|video_pad|> per video) plus, per image or video, the tokens that
+    placeholder expands into minus itself (`video_tokens`: per example, video.video_token_count of each video)."""
     text_ids = processor.tokenizer([ex.prompt for ex in examples])["input_ids"]
-    for ex, ids, sizes in zip(examples, text_ids, image_sizes, strict=True):
+    video_tokens = video_tokens or [[] for _ in examples]
+    for ex, ids, sizes, videos in zip(examples, text_ids, image_sizes, video_tokens, strict=True):
         pads = [image_token_count(processor.image_processor, w, h, min_pixels, max_pixels) for w, h in sizes]
-        ex.num_prompt_tokens = len(ids) + sum(n - 1 for n in pads)
+        ex.num_prompt_tokens = len(ids) + sum(n - 1 for n in pads) + sum(n - 1 for n in videos)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,13 +247,17 @@ def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_p
 # ----------------------------------------------------------------------------------------------------------------
 
 
+MARKS = {IMAGE_MARK: "image", VIDEO_MARK: "video"}
+
+
 def user_content(text: str) -> list[dict]:
-    """A user turn's content: text and image parts alternating, split on `<image>`; empty texts dropped."""
+    """A user turn's content: text, image and video parts in order, split on `<image>` and `<video>`; empty texts
+    dropped."""
     content = []
-    for i, piece in enumerate(text.split(IMAGE_MARK)):
-        if i > 0:
-            content.append({"type": "image"})
-        if piece:
+    for piece in re.split(f"({IMAGE_MARK}|{VIDEO_MARK})", text):
+        if piece in MARKS:
+            content.append({"type": MARKS[piece]})
+        elif piece:
             content.append({"type": "text", "text": piece})
     return content
 
@@ -259,7 +273,9 @@ def chat_turns(value) -> list[tuple[str, str]] | None:
     for m in value:
         content = m["content"]
         if isinstance(content, (list, tuple)):  # [{"type": "text", "text": ...}, {"type": "image"}, ...]
-            content = "".join(p.get("text") or "" if p.get("type") == "text" else IMAGE_MARK for p in content)
+            mark = {"video": VIDEO_MARK}  # any other non-text part is an image
+            content = "".join(p.get("text") or "" if p.get("type") == "text" else mark.get(p.get("type"), IMAGE_MARK)
+                              for p in content)  # fmt: skip
         turns.append((str(m["role"]), str(content or "")))
     return turns
 
@@ -298,6 +314,15 @@ def row_images(row: dict, key: str) -> list:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
+def row_videos(row: dict, key: str) -> list:
+    """The row's videos: a list of them (each a frame list or a video file); a lone file (path, bytes, struct) is one
+    video. A bare list is always a list of videos, never one video's frames: `[[f0, f1, ...]]` is one frame list."""
+    videos = row_value(row, key)
+    if videos is None:
+        return []
+    return list(videos) if isinstance(videos, (list, tuple)) or type(videos).__name__ == "ndarray" else [videos]
+
+
 def warn_bad_rows(name: str, bad: list[str]) -> None:
     # stacklevel 4 points at the line that built the dataset
     for message in bad[:WARNINGS_PER_FILE]:
@@ -312,9 +337,10 @@ class Example:
     answer: str
     images: list[Image.Image]  # RGB, fitted to the pixel budget, one per `<image>` mark
     messages: list[dict]  # chat messages (images as {"type": "image"} parts)
-    prompt: str  # chat template applied, generation prompt added: one <|image_pad|> per image
+    prompt: str  # chat template applied, generation prompt added: one <|image_pad|> per image, <|video_pad|> per video
     source: str  # "path/to/file.parquet:17" or "name@split:17"
-    num_prompt_tokens: int  # after the processor expands each <|image_pad|>
+    num_prompt_tokens: int  # after the processor expands each <|image_pad|> and <|video_pad|>
+    videos: list[Video] = field(default_factory=list)  # sampled and resized, one per `<video>` mark
 
 
 class PromptDataset:
@@ -332,10 +358,15 @@ class PromptDataset:
         prompt_key: str = "problem",
         answer_key: str = "answer",
         image_key: str = "images",
+        video_key: str = "videos",
         format_prompt: str | None = None,
         system_prompt: str | None = None,
         min_pixels: int = 262144,
         max_pixels: int = 4194304,
+        video_fps: float = 2.0,
+        max_frames: int = 32,
+        video_min_pixels: int = 16384,
+        video_max_pixels: int = 65536,
         max_prompt_length: int = 2048,
         filter_overlong_prompts: bool = True,
     ):
@@ -343,12 +374,18 @@ class PromptDataset:
         self.processor = processor
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         set_pixel_range(processor, min_pixels, max_pixels)
+        self.video_budget = (video_fps, max_frames, video_min_pixels, video_max_pixels)
+        if video_fps <= 0 or max_frames < 1 or not 0 < video_min_pixels <= video_max_pixels:
+            raise ValueError(f"bad video budget: fps {video_fps}, max_frames {max_frames}, "
+                             f"pixels [{video_min_pixels}, {video_max_pixels}]")  # fmt: skip
+        set_video_range(processor, video_min_pixels, video_max_pixels, max_frames)
         self.template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
-        self.prompt_key, self.answer_key, self.image_key = prompt_key, answer_key, image_key
+        self.prompt_key, self.answer_key, self.image_key, self.video_key = prompt_key, answer_key, image_key, video_key
         self.system_prompt = system_prompt
 
-        examples, self.image_sources, image_sizes = self.read_examples(specs)
-        count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels)
+        examples, sources, image_sizes, video_tokens = self.read_examples(specs)
+        self.image_sources, self.video_sources = [s[0] for s in sources], [s[1] for s in sources]
+        count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels, video_tokens)
         keep = [ex.num_prompt_tokens <= max_prompt_length for ex in examples]
         self.n_overlong = keep.count(False)
         if filter_overlong_prompts and self.n_overlong:
@@ -356,13 +393,15 @@ class PromptDataset:
             warnings.warn(message, stacklevel=2)
             examples = [ex for ex, k in zip(examples, keep, strict=True) if k]
             self.image_sources = [s for s, k in zip(self.image_sources, keep, strict=True) if k]
+            self.video_sources = [s for s, k in zip(self.video_sources, keep, strict=True) if k]
             if not examples:
                 raise ValueError(f"no prompt in {', '.join(specs)} fits max_prompt_length={max_prompt_length}")
         self.examples = examples
 
-    def read_examples(self, specs: list[str]) -> tuple[list[Example], list[list], list[list[tuple[int, int]]]]:
-        """Parse every row of every spec; warn about and count the bad ones; raise if none is usable."""
-        examples, image_sources, image_sizes = [], [], []
+    def read_examples(self, specs: list[str]) -> tuple[list[Example], list, list, list[list[int]]]:
+        """Parse every row of every spec; warn about and count the bad ones; raise if none is usable. Returns the
+        examples and per example its (image, video) sources, image sizes and each video's token count."""
+        examples, all_sources, image_sizes, video_tokens = [], [], [], []
         self.n_skipped, first_bad = 0, None
         for spec in specs:
             for part in local_files(spec) or [spec]:
@@ -371,23 +410,25 @@ class PromptDataset:
                 bad = []
                 for i, row in enumerate(rows):
                     try:
-                        example, sources, sizes = self.parse_row(row, f"{name}:{i}", base_dir)
+                        example, sources, sizes, tokens = self.parse_row(row, f"{name}:{i}", base_dir)
                     except BadRow as e:
                         bad.append(f"{name}: skipped row {i}: {e}")
                         continue
                     examples.append(example)
-                    image_sources.append(sources)
+                    all_sources.append(sources)
                     image_sizes.append(sizes)
+                    video_tokens.append(tokens)
                 warn_bad_rows(name, bad)
                 self.n_skipped += len(bad)
                 if bad and first_bad is None:
                     first_bad = f"{bad[0]} (row keys: {sorted(rows[0]) if isinstance(rows[0], dict) else None})"
         if not examples:
             raise ValueError(f"no usable rows in {', '.join(specs)}: {first_bad or 'no rows at all'}")
-        return examples, image_sources, image_sizes
+        return examples, all_sources, image_sizes, video_tokens
 
-    def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, list, list[tuple[int, int]]]:
-        """Check one row; return its Example (images still empty), image sources and original image sizes."""
+    def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, tuple, list, list[int]]:
+        """Check one row; return its Example (images and videos still empty), its (image, video) sources, original
+        image sizes and video token counts. Each video is decoded and sampled once here, to check it and count it."""
         if not isinstance(row, dict):
             raise BadRow(f"row is a {type(row).__name__}, not an object")
         turns = chat_turns(row_value(row, self.prompt_key))
@@ -399,11 +440,13 @@ class PromptDataset:
             raise BadRow(f"{self.prompt_key!r} has no user turn with text")
         problem = turns[users[-1]][1].strip()  # the question: the format prompt goes around it
         images = row_images(row, self.image_key)
-        n_marks = sum(text.count(IMAGE_MARK) for _, text in turns)
-        if n_marks == 0 and images:
-            problem = IMAGE_MARK * len(images) + problem
-        elif n_marks != len(images):
-            raise BadRow(f"{n_marks} {IMAGE_MARK} marks but {len(images)} images")
+        videos = row_videos(row, self.video_key)
+        for mark, items, what in ((VIDEO_MARK, videos, "videos"), (IMAGE_MARK, images, "images")):
+            n_marks = sum(text.count(mark) for _, text in turns)
+            if n_marks == 0 and items:  # images end up first, then videos, then the problem
+                problem = mark * len(items) + problem
+            elif n_marks != len(items):
+                raise BadRow(f"{n_marks} {mark} marks but {len(items)} {what}")
 
         sources, sizes = [], []
         for k, value in enumerate(images):
@@ -413,6 +456,14 @@ class PromptDataset:
             except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
                 raise BadRow(f"image {k} does not decode: {type(e).__name__}: {e}") from e
             sources.append(src)
+        v_sources, v_tokens = [], []
+        for k, value in enumerate(videos):
+            try:
+                src = video_source(value, base_dir)
+                v_tokens.append(video_token_count(self.processor, self.load_video(src)))
+            except Exception as e:  # PyAV and PIL raise many types
+                raise BadRow(f"video {k} does not decode: {type(e).__name__}: {e}") from e
+            v_sources.append(src)
 
         text = self.template.render(content=problem) if self.template else problem
         messages = [
@@ -423,7 +474,12 @@ class PromptDataset:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0)
-        return example, sources, sizes
+        return example, (sources, v_sources), sizes, v_tokens
+
+    def load_video(self, source) -> Video:
+        fps, max_frames, min_pixels, max_pixels = self.video_budget
+        side = image_side(self.processor.video_processor)  # the video processor's own patch x merge
+        return load_video(source, fps, max_frames, min_pixels, max_pixels, side)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -431,7 +487,8 @@ class PromptDataset:
     def __getitem__(self, i: int) -> Example:
         side = image_side(self.processor.image_processor)
         images = [fit_image(open_image(s), self.min_pixels, self.max_pixels, side) for s in self.image_sources[i]]
-        return dataclasses.replace(self.examples[i], images=images)
+        videos = [self.load_video(s) for s in self.video_sources[i]]
+        return dataclasses.replace(self.examples[i], images=images, videos=videos)
 
 
 # ----------------------------------------------------------------------------------------------------------------

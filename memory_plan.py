@@ -18,6 +18,13 @@ What is exact and what is estimated:
   of the budget were an image token: the worst case the config allows), the chunked LM head, vLLM's share while
   awake (exactly what it takes: rollout.gpu_memory_utilization of the device) and a fixed RUNTIME for the CUDA
   context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free.
+
+Videos cost what images cost per token: an LM token of a clip is merge^2 patches (each of temporal_patch frames),
+as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the
+KV caches count a prompt's video tokens with the rest of it. vLLM's vision encoder runs inside its share of the GPU
+while awake: vLLM profiles its largest image and clip (rollout.max_images_per_prompt / max_videos_per_prompt at the
+data's budgets) at start and stops there if they do not fit. With rollout.max_videos_per_prompt > 0 the plan says how
+many tokens one clip can take at the video budget (video_clip_tokens).
 """
 
 from __future__ import annotations
@@ -304,6 +311,8 @@ class Settings:
     offload_params: bool = False  # actor.offload_params: policy and reference shards in host memory while generating
     offload_optimizer: bool = False  # actor.offload_optimizer: AdamW's moments in host memory while generating
     vllm_bytes: float = 0.0  # a CPU run: vLLM's weights and KV cache in bytes (there is no GPU share to take)
+    video_clip_tokens: int = 0  # most vision tokens of one video at data.max_frames and data.video_max_pixels
+    video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -606,12 +615,22 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         offload_params=a.offload_params,
         offload_optimizer=a.offload_optimizer,
         vllm_bytes=vllm_bytes,
-    )
+        **dict(zip(("video_clip_tokens", "video_pair_tokens"),
+                   video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt else (0, 0))),
+    )  # fmt: skip
     keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
     # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
     return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit)
+
+
+def video_clip_tokens(s: ModelShape, max_frames: int, max_pixels: int) -> tuple[int, int]:
+    """(tokens of the longest clip, tokens per pair of frames) at the video budget: a frame holds at most
+    max_pixels / (patch x merge)^2 merged tokens (video.frame_size rounds its sides down to that grid to fit), and the
+    tower merges frames in pairs (an odd count gets its last frame repeated)."""
+    pair = max_pixels // (s.patch * s.merge) ** 2
+    return math.ceil(max_frames / s.temporal_patch) * pair, pair
 
 
 def hf_rows(cfg, world) -> int:
@@ -669,6 +688,9 @@ def format_plan(plan: Plan) -> str:
         if best is not None:
             lines.append(f"  vllm share up to {best / 100} of the GPU fits (rollout.gpu_memory_utilization, now "
                          f"{x.vllm_util})")  # fmt: skip
+    if x.video_clip_tokens:
+        lines.append(f"  videos     up to {x.video_clip_tokens} tokens a clip (data.max_frames, video_max_pixels), "
+                     f"{x.video_pair_tokens} per pair of frames: counted above as vision tokens")  # fmt: skip
     offloaded = {k: v for k, v in numbers["offloaded"].items() if v}
     if offloaded:
         moved = " + ".join(f"{k} {_gib(v)}" for k, v in offloaded.items())

@@ -19,6 +19,7 @@ actor.padding_free, from rollout.pack (all sequences back to back in one row).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -259,8 +260,38 @@ def use_varlen_in_vision_tower(model):
         model.model.visual.config._attn_implementation = VISION_VARLEN
 
 
-def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens):
+def text_after_vision_continues(model):
+    """Make the model's get_rope_index start the text after an image or video at 1 + the largest position so far, as
+    Qwen's reference code and vLLM do (st_idx = max + 1). transformers 5.17-5.19 start it at the vision block's first
+    position + its larger spatial side instead, which is the same for an image but not for a Qwen2.5-VL video whose
+    temporal positions (frame pairs x tokens_per_second x seconds per pair) run past its spatial ones: the text after
+    it would overlap the video's positions, and the trainer's log-probs would differ from vLLM's (measured: 0.06 on a
+    tiny model). Qwen3-VL and Qwen3.5 give every frame pair its own block at one temporal position: no change there.
+    Wrapped on the instance, so the padded forward, packed_positions and generate all get it."""
+    inner = model.model.get_rope_index
+
+    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
+        positions, _ = inner(input_ids, mm_token_type_ids, *args, attention_mask=attention_mask, **kwargs)  # (3, B, L)
+        deltas = []
+        for b in range(input_ids.shape[0]):
+            keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(input_ids[b]).bool()
+            pos, types = positions[:, b, keep], mm_token_type_ids[b, keep].tolist()  # (3, n), n
+            for i in range(1, len(types)):
+                if types[i] != types[i - 1] and types[i - 1] != 0:  # the first token after a vision block
+                    pos[:, i:] += pos[:, :i].max() + 1 - pos[0, i]
+            positions[:, b, keep] = pos
+            deltas.append(pos.max() + 1 - len(types) if len(types) else 0)
+        return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+
+    model.model.get_rope_index = get_rope_index
+
+
+def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens, host_types=None,
+                     video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
     """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
+    `host_types` (L,) says which tokens are image (1) and video (2) tokens (rollout.pack's mm_token_type_ids; without
+    it, image tokens are found by their id); the videos' grids and, for Qwen2.5-VL, their seconds per temporal patch
+    go to get_rope_index with the images'.
 
     The row holds parts [prompt | answer 1 | ... | answer k], k = group_sizes[g] (k = 1: a plain sequence). Returns
     - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width). Every answer gets the
@@ -270,14 +301,17 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     - keep (R,): the row positions whose hidden states predict the R answer tokens (an answer's first token is
       predicted by its prompt's last position, shared by the group), and targets (R,): the answer tokens' positions;
     - the PackedLayout of the row's segments."""
-    parts, keep, targets, segments, column, part = [], [], [], [], [], []
+    if host_types is None:
+        host_types = (host_ids == model.config.image_token_id).long()
+    parts, part_types, keep, targets, segments, column, part = [], [], [], [], [], [], []
     offset, r = 0, 0
     for g, (p_len, k) in enumerate(zip(prompt_lens.tolist(), group_sizes.tolist())):
         lens = response_lens[r : r + k].tolist()
         prompt_end = a = offset + p_len
         longest = max(range(k), key=lambda j: lens[j])
         longest_start = prompt_end + sum(lens[:longest])
-        parts.append(torch.cat([host_ids[offset:prompt_end], host_ids[longest_start : longest_start + lens[longest]]]))
+        for rows, out in ((host_ids, parts), (host_types, part_types)):
+            out.append(torch.cat([rows[offset:prompt_end], rows[longest_start : longest_start + lens[longest]]]))
         segments.append((offset, prompt_end + lens[0] if k == 1 else prompt_end, 0, 0))
         column += range(p_len)
         for n in lens:
@@ -292,13 +326,16 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     # each part's (prompt | longest answer) as a padded batch: what get_rope_index takes
     width = max(len(x) for x in parts)
     ids = torch.zeros(len(parts), width, dtype=host_ids.dtype)  # (G, W)
+    types = torch.zeros(len(parts), width, dtype=torch.long)  # (G, W): 0 text, 1 image, 2 video
     valid = torch.arange(width)[None] < torch.tensor([len(x) for x in parts])[:, None]  # (G, W)
-    ids[valid] = torch.cat(parts)
-    types = (ids == model.config.image_token_id).long()  # (G, W), as rollout.pack marks image tokens
+    ids[valid], types[valid] = torch.cat(parts), torch.cat(part_types).long()
     device = compute_device(model)
-    grid = image_grid_thw.to(device) if image_grid_thw is not None else None
+    grids = {"image_grid_thw": image_grid_thw, "video_grid_thw": video_grid_thw}
+    if second_per_grid_ts is not None:  # Qwen2.5-VL: the video's temporal positions are spaced by its frame rate
+        grids["second_per_grid_ts"] = second_per_grid_ts
+    grids = {k: v.to(device) for k, v in grids.items() if v is not None}
     valid = valid.to(device).long()
-    mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), grid, attention_mask=valid)  # (3, G, W)
+    mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), attention_mask=valid, **grids)  # (3, G, W)
     column, part = torch.tensor(column, device=device), torch.tensor(part, device=device)  # (L,), (L,)
     positions = torch.cat([column[None], mrope[:, part, column]])[:, None]  # (4, 1, L)
     layout = PackedLayout(segments, offset, device)
@@ -355,9 +392,11 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
         for key in ("prompt_lens", "group_sizes", "response_lens"):
             inputs.pop(key)
         response_lens = batch_inputs["response_lens"]  # (B,), on the host
+        types = batch_inputs.get("mm_token_type_ids")
         position_ids, keep, targets, layout = packed_positions(
             model, batch_inputs["input_ids"][0], batch_inputs.get("image_grid_thw"), batch_inputs["prompt_lens"],
-            batch_inputs["group_sizes"], response_lens,
+            batch_inputs["group_sizes"], response_lens, None if types is None else types[0],
+            batch_inputs.get("video_grid_thw"), batch_inputs.get("second_per_grid_ts"),
         )  # fmt: skip
         flat_labels = inputs["input_ids"][:, targets]  # (1, R), R = all response tokens
         # no mask: for one unpadded row this module's attentions build none (_register_attention), which leaves the
@@ -519,6 +558,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         raise ValueError(f"{path}: {problem}")
     if family(model).linear_attention:
         use_packed_forward(model)
+    text_after_vision_continues(model)
     use_varlen_in_vision_tower(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -641,30 +681,78 @@ def generate_encodes_images_first(model) -> bool:
     return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
 
 
+def encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw) -> dict:
+    """{"image": ..., "video": ...}: what the model's get_image_features and get_video_features return for a forward's
+    images and videos, from ONE tower pass over both. The model's own forward runs the tower once for the images and
+    once more for the videos: two FSDP2 all-gathers on a rank whose micro-batch has both, one on a rank with only
+    either, and the collectives fall out of step (see add_vision_dummy). The tower treats every image and video as
+    its own sequence (its attention is bounded by each one's grid), so one pass over all of them gives what two
+    passes would."""
+    inner = model.model
+    grids = torch.cat([image_grid_thw, video_grid_thw])  # (images + videos, 3)
+    out = type(inner).get_image_features(inner, torch.cat([pixel_values, pixel_values_videos]), grids, return_dict=True)
+    n, tokens = len(image_grid_thw), int(image_grid_thw.prod(-1).sum()) // inner.visual.spatial_merge_size**2
+    split = {}
+    for name, items, rows in (("image", slice(0, n), slice(0, tokens)), ("video", slice(n, None), slice(tokens, None))):
+        part = type(out)(**out)
+        part.pooler_output = out.pooler_output[items]  # a tuple of per-item embeddings
+        if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, split per item (5.19) or not
+            part.deepstack_features = [f[rows] if torch.is_tensor(f) else f[items] for f in out.deepstack_features]
+        split[name] = part
+    return split
+
+
+@contextlib.contextmanager
+def one_vision_pass(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+    """Within it, the model's get_image_features and get_video_features return the two halves of one tower pass over
+    the images and videos (encode_vision) instead of running the tower each. Overriding the two methods on the
+    instance leaves the model's forward and generate on their own paths, which differ between transformers 5.17 and
+    5.19 (only 5.19 takes precomputed `mm_encoder_outputs`)."""
+    inner = model.model
+    encoded = encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+    # named as the methods' own arguments: 5.19's generate looks for them to decide what to encode before its prefill
+    inner.get_image_features = lambda pixel_values=None, image_grid_thw=None, **kwargs: encoded["image"]
+    inner.get_video_features = lambda pixel_values_videos=None, video_grid_thw=None, **kwargs: encoded["video"]
+    try:
+        yield
+    finally:
+        del inner.get_image_features, inner.get_video_features
+
+
 def add_vision_dummy(model):
     """Make every forward that starts sequences (a training or log-prob forward, a prefill) run the vision tower
-    exactly once, images or not. The tower is its own FSDP2 unit: a forward with images all-gathers its shards (and
-    its backward reduce-scatters its gradients), one without never does, so a rank whose micro-batch, log-prob chunk
-    or generate call holds only text while another's holds images falls out of step in the collectives, and the job
-    hangs (an abort, "collective mismatch", on gloo). EasyR1 #468, fixed the same way (#518/#530).
+    exactly once, whatever it holds: images, videos, both or neither. The tower is its own FSDP2 unit: a forward with
+    images all-gathers its shards (and its backward reduce-scatters its gradients), one without never does, so a rank
+    whose micro-batch, log-prob chunk or generate call holds only text while another's holds images falls out of step
+    in the collectives, and the job hangs (an abort, "collective mismatch", on gloo). EasyR1 #468, fixed the same way
+    (#518/#530). A forward with images and videos gets both encoded in one tower pass (encode_vision); one with
+    videos only runs the tower on them, as one with images only does.
 
-    Without images the tower runs on one minimal blank image (vision_dummy) and its output, times zero, is added to
-    the decoder's output: log-probs are unchanged and autograd reaches the tower with zero gradients, so its backward
-    (the gradient reduce-scatter) runs on every rank too, and the data-parallel mean is the one without the dummy.
+    Without images or videos the tower runs on one minimal blank image (vision_dummy) and its output, times zero, is
+    added to the decoder's output: log-probs are unchanged and autograd reaches the tower with zero gradients, so its
+    backward (the gradient reduce-scatter) runs on every rank too, and the data-parallel mean is the one without the
+    dummy.
     Decided locally, from the forward's own inputs, rather than by an all-reduce: no collective is added, and no
     dummy runs at all when every rank has images. The price is one small tower pass (and its all-gather) per
     text-only forward. Decode steps never run the tower (generate drops the pixels after the prefill), and a prefill
     whose images generate encoded beforehand (`mm_encoder_outputs` given, even empty) is left to the caller:
     rollout.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
-    pending = []
+    pending, passes = [], []
 
     def before(module, args, kwargs):
         cache = kwargs.get("past_key_values")
         starts = cache is None or cache.get_seq_length() == 0
-        if kwargs.get("pixel_values") is None and kwargs.get("mm_encoder_outputs") is None and starts:
+        images, videos = kwargs.get("pixel_values"), kwargs.get("pixel_values_videos")
+        if images is not None and videos is not None and "get_image_features" not in vars(model.model):
+            one_pass = one_vision_pass(model, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
+            one_pass.__enter__()
+            passes.append(one_pass)
+        if images is None and videos is None and kwargs.get("mm_encoder_outputs") is None and starts:
             pending.append(vision_dummy(model))
 
     def after(module, args, kwargs, out):
+        if passes:
+            passes.pop().__exit__(None, None, None)
         if pending:
             hidden = out.last_hidden_state
             zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0

@@ -20,15 +20,17 @@ slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 import lora
 import models
+from video import video_processor_size
 
 
 @dataclass
@@ -40,13 +42,25 @@ class SamplingParams:
 
 @dataclass
 class Prompt:
-    """A prompt as the trainer's model sees it (image pads expanded by the processor) plus the raw images, which
-    engines with their own image processing need."""
+    """A prompt as the trainer's model sees it (image and video pads expanded by the processor) plus the raw images
+    and videos, which engines with their own image processing need."""
 
     input_ids: torch.Tensor  # (P,)
     pixel_values: torch.Tensor | None  # (patches, dim) for all images of the prompt
     image_grid_thw: torch.Tensor | None  # (images, 3)
     images: list
+    # (P,) the processor's mm_token_type_ids: 0 text, 1 image, 2 video token; None: image tokens found by their id
+    token_types: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None  # (patches, dim) for all videos of the prompt
+    video_grid_thw: torch.Tensor | None = None  # (videos, 3)
+    second_per_grid_ts: torch.Tensor | None = None  # (videos,) Qwen2.5-VL: seconds per temporal patch, for mRoPE
+    videos: list = field(default_factory=list)  # video.Video: the frames and their timing
+    # the chat template's tokens, one pad per image and video: what engines that expand the pads themselves get
+    template_ids: list[int] | None = None
+
+
+# what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass
@@ -59,8 +73,25 @@ class Sample:
 
 
 def encode_prompt(processor, example) -> Prompt:
-    out = processor(text=[example.prompt], images=example.images or None, return_tensors="pt")
-    return Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images))
+    videos = getattr(example, "videos", [])
+    # the frames come sampled and sized (video.py); the metadata places them in time
+    kwargs = {"videos": [v.frames for v in videos], "video_metadata": [v.metadata() for v in videos]} if videos else {}
+    out = processor(text=[example.prompt], images=example.images or None, return_tensors="pt", **kwargs)
+    types = out.get("mm_token_type_ids")
+    return Prompt(
+        out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), list(example.images),
+        token_types=None if types is None else types[0], pixel_values_videos=out.get("pixel_values_videos"),
+        video_grid_thw=out.get("video_grid_thw"), second_per_grid_ts=out.get("second_per_grid_ts"), videos=videos,
+        template_ids=processor.tokenizer(example.prompt)["input_ids"],
+    )  # fmt: skip
+
+
+def token_types(prompt: Prompt, image_token_id: int) -> torch.Tensor:
+    """(P,) 0 text, 1 image, 2 video token: transformers 5.x builds the 3-D (mRoPE) positions only when told which
+    tokens are which, and spaces a video's temporal positions differently from an image's."""
+    if prompt.token_types is not None:
+        return prompt.token_types.long()
+    return (prompt.input_ids == image_token_id).long()
 
 
 def vision_token_ids(tokenizer, tokens=models.VISION_TOKENS) -> list[int]:
@@ -81,33 +112,29 @@ def collate(prompts, responses, pad_id, image_token_id):
     t_len = max(len(r) for r in responses)
     batch = len(prompts)
     input_ids = torch.full((batch, p_len + t_len), pad_id, dtype=torch.long)  # (B, L)
+    types = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
     attention_mask = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
     response_mask = torch.zeros((batch, t_len), dtype=torch.float32)  # (B, T)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         start = p_len - len(p.input_ids)
         input_ids[i, start:p_len] = p.input_ids
+        types[i, start:p_len] = token_types(p, image_token_id)
         input_ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
         attention_mask[i, start : p_len + len(r)] = 1
         response_mask[i, : len(r)] = 1
-    inputs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        # transformers 5.x builds Qwen2.5-VL's 3-D (mRoPE) positions only when told which tokens are image tokens
-        "mm_token_type_ids": (input_ids == image_token_id).long(),
-    }
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
     return {**inputs, **stacked_images(prompts)}, input_ids[:, p_len:], response_mask
 
 
 def stacked_images(prompts) -> dict:
-    """pixel_values and image_grid_thw of all the prompts' images, in prompt order (the order their image tokens
-    take in the batch), or nothing when no prompt has one."""
-    with_images = [p for p in prompts if p.pixel_values is not None]
-    if not with_images:
-        return {}
-    return {
-        "pixel_values": torch.cat([p.pixel_values for p in with_images]),
-        "image_grid_thw": torch.cat([p.image_grid_thw for p in with_images]),
-    }
+    """The VISION_INPUTS of all the prompts' images and videos, each in prompt order (the order their tokens take in
+    the batch); an input no prompt has is left out."""
+    stacked = {}
+    for key in VISION_INPUTS:
+        values = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
+        if values:
+            stacked[key] = torch.cat(values)
+    return stacked
 
 
 def pack(prompts, responses, image_token_id, share_prompts=False):
@@ -124,21 +151,23 @@ def pack(prompts, responses, image_token_id, share_prompts=False):
     t_len = max(len(r) for r in responses)
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, part_prompts, group_sizes = [], [], []
+    pieces, types, part_prompts, group_sizes = [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
         if not (share_prompts and i > 0 and p is prompts[i - 1]):
             pieces.append(p.input_ids)
+            types.append(token_types(p, image_token_id))
             part_prompts.append(p)
             group_sizes.append(0)
         pieces.append(r)
+        types.append(torch.zeros_like(r))  # answers are text: vision tokens are never sampled
         group_sizes[-1] += 1
         response_ids[i, : len(r)] = r
         response_mask[i, : len(r)] = 1
     input_ids = torch.cat(pieces)[None]  # (1, L)
     inputs = {
         "input_ids": input_ids,
-        "mm_token_type_ids": (input_ids == image_token_id).long(),  # (1, L)
+        "mm_token_type_ids": torch.cat(types)[None],  # (1, L)
         "prompt_lens": torch.tensor([len(p.input_ids) for p in part_prompts]),  # (G,)
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
@@ -234,7 +263,7 @@ class HFEngine:
         if fewest > 0 or count == 0:
             return count, prompts[-1:]
         offered = [None] * world
-        mine = [Prompt(p.input_ids, p.pixel_values, p.image_grid_thw, []) for p in prompts[-1:]]  # no PIL images
+        mine = [replace(p, images=[], videos=[]) for p in prompts[-1:]]  # no PIL frames
         dist.all_gather_object(offered, mine)
         return count, next(o for o in offered if o)
 
@@ -245,10 +274,17 @@ class HFEngine:
         device = models.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        if "pixel_values" not in inputs and models.generate_encodes_images_first(self.model):
-            models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
+        one_pass = contextlib.nullcontext()
+        if "pixel_values" in inputs and "pixel_values_videos" in inputs:
+            # one tower pass for both, whether generate encodes them before its prefill (transformers 5.19) or the
+            # prefill's forward does (5.17)
+            one_pass = models.one_vision_pass(self.model, *(inputs[k] for k in VISION_INPUTS[:4]))
+        elif "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
+            if models.generate_encodes_images_first(self.model):
+                models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
-        sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
+        with one_pass:
+            sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []
         for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
             end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
@@ -274,6 +310,23 @@ def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:
     """The processor expands each image's single <|image_pad|> into one per image token; vLLM wants the single
     one back (it expands it again itself, and expanding an expanded prompt corrupts it)."""
     return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
+
+
+def engine_prompt_ids(prompt: Prompt, image_token_id: int) -> list[int]:
+    """The prompt as vLLM takes it: one pad per image and video, which it expands itself. Qwen3-VL's videos expand
+    into more than pads (a timestamp and vision start/end tokens per frame pair), so the template's own tokens are
+    used where the prompt has them."""
+    if prompt.template_ids is not None:
+        return list(prompt.template_ids)
+    return collapse_image_pads(prompt.input_ids.tolist(), image_token_id)
+
+
+def engine_video(clip) -> tuple:
+    """A video as vLLM takes it: the frames as one (T, H, W, 3) uint8 array, and the metadata that places them in
+    time, marked as sampled already (vLLM would otherwise sample again at its processor's default rate)."""
+    import numpy as np
+
+    return np.stack([np.asarray(f) for f in clip.frames]), {**dict(clip.metadata()), "do_sample_frames": False}
 
 
 def request_seed(member_seed: int, prompt: int, n: int) -> int:
@@ -333,6 +386,7 @@ class VLLMEngine:
         rank = dist.get_rank()
         family = models.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
+        self.max_videos = r.max_videos_per_prompt
         on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -360,6 +414,20 @@ class VLLMEngine:
                 "max_num_batched_tokens": max(max_model_len, 8192),
                 **family.vllm_cpu_kwargs,
             }
+        # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
+        mm_kwargs = {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}
+        if self.max_videos:
+            # Videos come sampled and sized (video.py) and get the bounds under which the trainer's processor keeps
+            # them as they are. Scoped per modality: a plain `size` would bound video frames by the images' budget.
+            # (Only with videos on, so an image-only run passes vLLM what it always did.)
+            size = video_processor_size(processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames)
+            mm_kwargs = {"images_kwargs": mm_kwargs, "videos_kwargs": {"size": size, "do_sample_frames": False}}
+        ip, vp = processor.image_processor, processor.video_processor
+        if self.max_videos and [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
+            # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where
+            # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
+            # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
+            platform["mm_device_do_normalize"] = False
         self.llm = LLM(
             model=cfg.actor.model_path,
             dtype=self.dtype,
@@ -370,9 +438,8 @@ class VLLMEngine:
             enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
             max_model_len=max_model_len,
             max_num_seqs=r.max_num_seqs,
-            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": 0},
-            # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
-            mm_processor_kwargs={"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}},
+            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
+            mm_processor_kwargs=mm_kwargs,
             # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
             # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
             # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
@@ -456,10 +523,14 @@ class VLLMEngine:
         if self.offload is not None:  # the sync has read the policy: its state can leave before the KV cache wakes
             self.offload.offload(self.timings)
         self._wake(["weights", "kv_cache"])
-        most_images = max((len(p.images) for p in prompts), default=0)
-        if most_images > self.max_images:
-            raise ValueError(f"a prompt has {most_images} images: raise rollout.max_images_per_prompt")
-        mine = [(collapse_image_pads(p.input_ids.tolist(), self.image_token_id), p.images) for p in prompts]
+        for what, most, limit in (
+            ("images", max((len(p.images) for p in prompts), default=0), self.max_images),
+            ("videos", max((len(p.videos) for p in prompts), default=0), self.max_videos),
+        ):
+            if most > limit:
+                raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
+        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos])
+                for p in prompts]  # fmt: skip
         groups = [(mine, seed)]
         if self.tp_group is not None:  # every member of a TP group must submit the same requests
             groups = [None] * self.tp
@@ -467,10 +538,11 @@ class VLLMEngine:
         requests, sampling = [], []
         greedy = params.temperature <= 0
         for member_prompts, member_seed in groups:
-            for i, (ids, images) in enumerate(member_prompts):
+            for i, (ids, images, videos) in enumerate(member_prompts):
                 request = {"prompt_token_ids": ids}
-                if images:
-                    request["multi_modal_data"] = {"image": images}
+                mm_data = {"image": images, "video": videos}
+                if images or videos:
+                    request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
                 requests.append(request)
                 sampling.append(
                     VSamplingParams(

@@ -86,6 +86,7 @@ class DataConfig:
     prompt_key: str = "problem"  # column with the question text and its <image> marks, or chat messages (verl)
     answer_key: str = "answer"  # column with the ground truth; a dotted key reaches into a struct (verl)
     image_key: str = "images"  # column with a list of images ({bytes, path}, path string or PIL); absent = text only
+    video_key: str = "videos"  # column with a list of videos (each a list of frames or a video file); absent = none
     format_prompt: str = "configs/format_prompt/geo3k.jinja"  # jinja template around the problem; "" for none
     system_prompt: str = ""  # "" keeps Qwen's default system prompt
     max_prompt_length: int = 2048  # tokens after image expansion
@@ -93,6 +94,10 @@ class DataConfig:
     filter_overlong_prompts: bool = True  # drop (and count) prompts longer than max_prompt_length
     min_pixels: int = 262144  # images are resized into [min_pixels, max_pixels], in trainer and rollout alike
     max_pixels: int = 4194304
+    video_fps: float = 2.0  # video files are sampled at this rate; frame lists are taken as sampled at it
+    max_frames: int = 32  # most frames kept of one video (evenly spread)
+    video_min_pixels: int = 16384  # each video frame is resized into [video_min_pixels, video_max_pixels]
+    video_max_pixels: int = 65536
     rollout_batch_size: int = 512  # prompts per step, over all ranks
     val_batch_size: int = 64  # prompts per validation generate call, per rank
     val_max_samples: int = 0  # 0 = the whole validation set
@@ -171,6 +176,7 @@ class RolloutConfig:
     sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = 1  # vllm reserves vision-encoder memory for this many images in one prompt
+    max_videos_per_prompt: int = 0  # ... and this many videos (0: prompts with a video are refused)
     enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
 
 
@@ -919,7 +925,9 @@ def load_datasets(cfg, processor, rank, world):
     d = cfg.data
     # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
     dataset_kwargs = dict(
-        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
+        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
+        video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
+        video_max_pixels=d.video_max_pixels,
         format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
         min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
         filter_overlong_prompts=d.filter_overlong_prompts,

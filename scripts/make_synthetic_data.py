@@ -136,6 +136,54 @@ def make_colour_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int =
     return str(out_path)
 
 
+# The video demo's task: a clip of FRAMES frames, of which 1 to FRAMES are red and the rest white, in a random order;
+# the answer is how many are red. Every row's text is the same: a model that ignores the frames is right 1 time in
+# FRAMES at best. (Qwen's towers merge frames in pairs, so the count is spread over the clip's temporal tokens.)
+FRAMES = 4
+MARK, BLANK = (220, 30, 30), (255, 255, 255)
+VIDEO_QUESTION = "<video>How many frames of the video are red? Answer with a number from 1 to 4."
+
+
+def png(colour, size: int) -> dict:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+    return {"bytes": buf.getvalue(), "path": None}
+
+
+def video_count_row(rng: random.Random, answer: int, size: int) -> list[dict]:
+    """One clip (a list of frame structs) with `answer` red frames, colours jittered so no two clips are equal."""
+    marked = set(rng.sample(range(FRAMES), answer))
+    jitter = lambda c: tuple(min(255, max(0, v + rng.randint(-15, 15))) for v in c)  # noqa: E731
+    return [png(jitter(MARK if i in marked else BLANK), size) for i in range(FRAMES)]
+
+
+def make_video_count_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int = 56) -> str:
+    """Write `n_rows` rows of the frame-counting task (answers balanced and shuffled) to `out_path` (parquet)."""
+    rng = random.Random(seed)
+    answers = [1 + i % FRAMES for i in range(n_rows)]
+    rng.shuffle(answers)
+    rows = [{"problem": VIDEO_QUESTION, "answer": str(a), "videos": [video_count_row(rng, a, size)]} for a in answers]
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_path)
+    return str(out_path)
+
+
+def make_mixed_media(out_path: str, n_rows: int = 32, seed: int = 0, size: int = 56) -> str:
+    """Rows of four kinds in turn -- an image (the colour task), a video (the counting task), an image and a video,
+    text only -- in one file: `images` and `videos` columns with empty lists where a row has none."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n_rows):
+        kind, answer = i % 4, rng.randint(1, FRAMES)
+        images = [png(COLOURS[str(answer)], size)] if kind in (0, 2) else []
+        videos = [video_count_row(rng, answer, size)] if kind in (1, 2) else []
+        problem = {0: COLOUR_QUESTION, 1: VIDEO_QUESTION, 2: "<image>" + VIDEO_QUESTION, 3: "What is 2 + 2?"}[kind]
+        rows.append({"problem": problem, "answer": str(answer), "images": images, "videos": videos})
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_path)
+    return str(out_path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="output .parquet path")

@@ -215,11 +215,12 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
         assert rank["diff_before_sync"] > 0.5  # the perturbation is visible before the sync
         assert rank["diff_text"] <= text_bound, rank["diff_text"]
         assert rank["diff_image"] <= image_bound, rank["diff_image"]
+        assert rank["diff_video"] <= image_bound, rank["diff_video"]
         assert rank["vision_tokens_unbiased"] > 5 and rank["vision_tokens"] == 0
         assert rank["prompt_index"] == [p for p in range(4) for _ in range(4)]
         assert rank["repeat_equal"] and not rank["other_seed_equal"]
-    print(f"{family}: vLLM vs trainer max |dlogp| text {max(r['diff_text'] for r in ranks):.1e}, "
-          f"image {max(r['diff_image'] for r in ranks):.1e}")  # fmt: skip
+    most = {k: max(r[f"diff_{k}"] for r in ranks) for k in ("text", "image", "video")}
+    print(f"{family}: vLLM vs trainer max |dlogp| " + ", ".join(f"{k} {v:.1e}" for k, v in most.items()))
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])

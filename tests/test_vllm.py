@@ -45,11 +45,13 @@ def test_collapsed_prompt_is_the_chat_template_prompt(tiny_processor):
 def test_synced_engine_logprobs_equal_the_trainers(tp1):
     """Guards against a weight sync that does not reach vLLM (e.g. reload_weights without an iterator reloads the
     checkpoint), stale vision-encoder outputs after a sync, wrong vision buffers, or log-probs of another distribution:
-    after perturbing the trainer and syncing, vLLM's log-probs of its own samples are the trainer's (fp32)."""
+    after perturbing the trainer and syncing, vLLM's log-probs of its own samples are the trainer's (fp32), on text,
+    image and video prompts (videos: vLLM must get the trainer's frames, timing and positions)."""
     for rank in tp1:
         assert rank["diff_before_sync"] > 0.5  # the perturbation is visible before the sync
         assert rank["diff_text"] <= 1e-4, rank["diff_text"]
         assert rank["diff_image"] <= 0.05, rank["diff_image"]
+        assert rank["diff_video"] <= 0.05, rank["diff_video"]  # the image bound; measured 1.4e-6
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,11 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
 import train_grpo  # noqa: E402
+import video  # noqa: E402
 from data import set_pixel_range  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES = 56 * 56, 112 * 112, 6
 
 
 def make_prompts(processor, rank, with_image):
@@ -44,6 +46,25 @@ def make_prompts(processor, rank, with_image):
         text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         out = processor(text=[text], images=images or None, return_tensors="pt")
         prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), images))
+    return prompts
+
+
+def make_video_prompts(processor, rank):
+    """Three prompts with a video each (frame counts 2, 5 and 6 -- the odd one gets its last frame repeated -- and
+    frames of other sizes), the middle one with an image too, encoded as the trainer encodes a dataset's rows."""
+    from types import SimpleNamespace
+
+    side = processor.video_processor.patch_size * processor.video_processor.merge_size
+    g = torch.Generator().manual_seed(rank)
+    prompts = []
+    for i, (n, size) in enumerate([(2, (90, 70)), (5, (70, 110)), (6, (112, 56))]):
+        frames = [Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy())
+                  for _ in range(n)]  # fmt: skip
+        clip = video.load_video(frames, 2.0, MAX_FRAMES, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, side)
+        images = [Image.new("RGB", (84, 56), "white")] if i == 1 else []
+        content = [{"type": "image"}] * len(images) + [{"type": "video"}, {"type": "text", "text": f"Count {rank}."}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        prompts.append(rollout.encode_prompt(processor, SimpleNamespace(prompt=text, images=images, videos=[clip])))
     return prompts
 
 
@@ -94,10 +115,13 @@ def main():
 
     processor = AutoProcessor.from_pretrained(model_dir)
     set_pixel_range(processor, MIN_PIXELS, MAX_PIXELS)
+    video.set_video_range(processor, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES)
     cfg = train_grpo.load_config(None, [
         "rollout.engine=vllm", f"actor.model_path={model_dir}", f"rollout.tensor_parallel_size={tp}",
         f"data.min_pixels={MIN_PIXELS}", f"data.max_pixels={MAX_PIXELS}", "data.max_prompt_length=512",
         "data.max_response_length=16", f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_num_seqs=256",
+        f"data.video_min_pixels={VIDEO_MIN_PIXELS}", f"data.video_max_pixels={VIDEO_MAX_PIXELS}",
+        f"data.max_frames={MAX_FRAMES}", "rollout.max_videos_per_prompt=1", "rollout.max_images_per_prompt=1",
         *(["actor.lora_rank=8", "actor.lora_target_modules=[q_proj,down_proj,visual.qkv]"] if with_lora else []),
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
@@ -140,6 +164,8 @@ def main():
     image_samples = engine.generate(image, 4, params, seed=seed)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
+    videos = make_video_prompts(processor, rank)  # vLLM expands each video's pad as the trainer's processor does
+    result["diff_video"] = max_logprob_diff(model, videos, engine.generate(videos, 4, params, seed=seed), ids, 1.0)
     result["prompt_index"] = [s.prompt_index for s in image_samples]
     result["image_samples"] = [s.response_ids for s in image_samples]
     result["repeat_equal"] = [s.response_ids for s in engine.generate(image, 4, params, seed=seed)] == [
@@ -151,7 +177,7 @@ def main():
 
     # Vision tokens: ~1.2% of this random model's vocabulary, so 8 x 32 x 16 tokens would hold dozens of them.
     vision_ids = set(rollout.vision_token_ids(processor.tokenizer))
-    many = text + image
+    many = text + image + videos
     result["vision_tokens"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
     bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
     result["vision_tokens_unbiased"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
