@@ -588,3 +588,21 @@ def make_engine(cfg, processor):
     """Build the engine. Every rank must call it at the same point, right after init_process_group: vLLM's engine
     start is collective and should see the device before the trainer takes memory."""
     return ENGINES[cfg.rollout.engine](cfg, processor)
+
+
+def check_prompt_limits(rollout_cfg, datasets) -> None:
+    """Stop before the models load when a prompt of the data holds more images or videos than the vLLM engine was
+    built for (limit_mm_per_prompt): it would refuse that prompt only at the rollout that draws it."""
+    if rollout_cfg.engine != "vllm":
+        return
+
+    def rows(dataset, sources):  # each prompt's image or video sources; a Subset (validation) has only its own
+        whole = getattr(getattr(dataset, "dataset", dataset), sources)
+        return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
+
+    for what, sources in (("images", "image_sources"), ("videos", "video_sources")):
+        most = max((len(s) for d in datasets if d is not None for s in rows(d, sources)), default=0)
+        limit = getattr(rollout_cfg, f"max_{what}_per_prompt")
+        if most > limit:
+            raise SystemExit(f"a prompt of the data has {most} {what}: set rollout.max_{what}_per_prompt={most} "
+                             f"(now {limit}; vLLM reserves encoder memory for that many)")  # fmt: skip

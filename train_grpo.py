@@ -953,6 +953,7 @@ def load_datasets(cfg, processor, rank, world):
         )
     total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
     print0(f"{steps_per_epoch} steps per epoch, {total_steps} steps in all")
+    rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])
     return train_set, val_set, sampler, total_steps
 
 

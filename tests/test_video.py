@@ -355,3 +355,27 @@ def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
     pairs = sum(int(p.video_grid_thw[:, 0].sum()) for p in prompts if p.video_grid_thw is not None)
     images = sum(len(p.image_grid_thw) for p in prompts if p.image_grid_thw is not None)
     assert min(vision) >= pairs + images  # every frame pair and image bounded on its own (windows may split more)
+
+
+def test_prompt_limits_are_checked_before_the_models_load(tiny_family_dir, tmp_path):
+    """Guards against a video dataset under vLLM's default limits (rollout.max_videos_per_prompt=0) loading the
+    models and then failing at the first rollout that draws a video: the data's most images and videos per prompt
+    are checked against the engine's limits as soon as the data is read, naming the key to set; the HF engine has
+    no such limits."""
+    from types import SimpleNamespace
+
+    from scripts.make_synthetic_data import make_mixed_media
+
+    processor = _processor(tiny_family_dir, "qwen2_5_vl")
+    ds = PromptDataset(make_mixed_media(str(tmp_path / "mixed.parquet"), n_rows=8), processor, format_prompt=None,
+                       **BUDGET)  # fmt: skip
+    limits = lambda engine, images, videos: SimpleNamespace(  # noqa: E731
+        engine=engine, max_images_per_prompt=images, max_videos_per_prompt=videos
+    )
+    rollout.check_prompt_limits(limits("vllm", 1, 1), [ds, None])
+    rollout.check_prompt_limits(limits("hf", 0, 0), [ds])
+    with pytest.raises(SystemExit, match=r"1 videos: set rollout.max_videos_per_prompt=1 \(now 0"):
+        rollout.check_prompt_limits(limits("vllm", 1, 0), [ds])
+    with pytest.raises(SystemExit, match=r"1 images: set rollout.max_images_per_prompt=1 \(now 0"):
+        rollout.check_prompt_limits(limits("vllm", 0, 1), [torch.utils.data.Subset(ds, range(2))])
+    rollout.check_prompt_limits(limits("vllm", 0, 1), [torch.utils.data.Subset(ds, [1, 5])])  # a subset: its rows
