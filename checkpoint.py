@@ -283,13 +283,14 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     """Write the HF model directory of a saved checkpoint (scripts/export_hf.py), in one CPU process, whatever the
     number of ranks that wrote it. The model is built from the checkpoint's own config (actor.model_path, or
     `model_path` if it moved) and filled with the checkpoint's weights; save_hf then writes the same files as at the
-    end of training (safetensors in the original naming, the processor with the run's pixel range). The base
+    end of training (safetensors in the original naming, the processor with the run's pixel ranges). The base
     model's weights are never read: one copy of the model in memory, the checkpoint's. (A LoRA checkpoint holds the
     adapters only: then the base model is read, and the export is it with the adapters merged.)"""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoProcessor
 
     from data import set_pixel_range
+    from video import set_video_range
 
     if not is_complete_checkpoint(checkpoint):
         raise SystemExit(f"{checkpoint}: not a complete checkpoint (no .metadata or trainer_state.json)")
@@ -307,7 +308,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     else:  # the structure only, then one fp32 copy of the weights, uninitialised until the checkpoint fills it below
         model = load_model(model_path, torch.device("cpu"), "sdpa", meta=True).to_empty(device="cpu")
     processor = AutoProcessor.from_pretrained(model_path)
-    set_pixel_range(processor, cfg["data"]["min_pixels"], cfg["data"]["max_pixels"])  # as PromptDataset did in training
+    d = cfg["data"]  # the processor as PromptDataset left it in training: the images' and the videos' budgets
+    set_pixel_range(processor, d["min_pixels"], d["max_pixels"])
+    if "video_max_pixels" in d:  # (a checkpoint from before videos: its run's export had no video budget either)
+        set_video_range(processor, d["video_min_pixels"], d["video_max_pixels"], d["max_frames"])
 
     # DCP and save_hf work through torch.distributed: a one-process group runs them here unchanged
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
