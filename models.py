@@ -275,10 +275,12 @@ def text_after_vision_continues(model):
         deltas = []
         for b in range(input_ids.shape[0]):
             keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(input_ids[b]).bool()
-            pos, types = positions[:, b, keep], mm_token_type_ids[b, keep].tolist()  # (3, n), n
-            for i in range(1, len(types)):
-                if types[i] != types[i - 1] and types[i - 1] != 0:  # the first token after a vision block
-                    pos[:, i:] += pos[:, :i].max() + 1 - pos[0, i]
+            pos, types = positions[:, b, keep], mm_token_type_ids[b, keep]  # (3, n), (n,)
+            # the first token after each vision block, found at once (this runs in every forward that starts
+            # sequences, and a Python loop over every token of every row would be its cost)
+            after = ((types[1:] != types[:-1]) & (types[:-1] != 0)).nonzero().flatten() + 1
+            for i in after.tolist():
+                pos[:, i:] += pos[:, :i].max() + 1 - pos[0, i]
             positions[:, b, keep] = pos
             deltas.append(pos.max() + 1 - len(types) if len(types) else 0)
         return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
