@@ -136,19 +136,25 @@ def load_rows(spec: str) -> tuple[list[dict], str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def image_source(value, base_dir: str | None) -> bytes | str | Image.Image:
-    """What to decode an image from: bytes, a path (resolved against the data file's directory), or a PIL image."""
+def file_source(value, base_dir: str | None, what: str) -> bytes | str:
+    """What to read a file from: its bytes, or its path resolved against the data file's directory; a `{bytes, path}`
+    struct gives its bytes, else its path. `what` names the item in errors ("an image", "a video")."""
     if isinstance(value, dict):
         if value.get("bytes"):
             return value["bytes"]
         value = value.get("path")
         if not value:
-            raise ValueError("image struct has neither bytes nor path")
-    if isinstance(value, (bytes, Image.Image)):
+            raise ValueError(f"{what} struct has neither bytes nor path")
+    if isinstance(value, bytes):
         return value
     if isinstance(value, str):
         return value if os.path.isabs(value) or base_dir is None else os.path.join(base_dir, value)
-    raise ValueError(f"cannot read an image from {type(value).__name__}")
+    raise ValueError(f"cannot read {what} from {type(value).__name__}")
+
+
+def image_source(value, base_dir: str | None) -> bytes | str | Image.Image:
+    """What to decode an image from: a PIL image as it is, else file_source's bytes or path."""
+    return value if isinstance(value, Image.Image) else file_source(value, base_dir, "an image")
 
 
 def open_image(source: bytes | str | Image.Image) -> Image.Image:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from dataclasses import dataclass
 
 from PIL import Image
@@ -118,21 +117,11 @@ def frame_size(width: int, height: int, min_pixels: int, max_pixels: int, side: 
 
 def video_source(value, base_dir: str | None):
     """What to read a video from: a list of frame sources (see data.image_source), or a file's bytes or path."""
-    from data import image_source
+    from data import file_source, image_source
 
     if is_frame_list(value):
         return [image_source(frame, base_dir) for frame in value]
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return value["bytes"]
-        value = value.get("path")
-        if not value:
-            raise ValueError("video struct has neither bytes nor path")
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value if os.path.isabs(value) or base_dir is None else os.path.join(base_dir, value)
-    raise ValueError(f"cannot read a video from {type(value).__name__}")
+    return file_source(value, base_dir, "a video")
 
 
 def load_video(source, fps: float, max_frames: int, min_pixels: int, max_pixels: int, side: int) -> Video:
