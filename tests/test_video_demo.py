@@ -8,6 +8,7 @@ import pytest
 
 from tests.launch import torchrun
 from tests.test_mixed_data import PADDED
+from tests.test_vision_demo import assert_demo_learns
 
 FRAMES = 4  # scripts/make_synthetic_data.py FRAMES: a model blind to the frames is right 1 time in 4 at best
 
@@ -24,23 +25,7 @@ def test_video_demo_learns_what_only_the_frames_say(tiny_model_dir, tmp_path):
     balancing): last-5-step training accuracy and greedy validation accuracy clearly above the blind ceiling."""
     from scripts.make_synthetic_data import make_video_count_task
 
-    train = make_video_count_task(str(tmp_path / "train.parquet"), n_rows=128, seed=0)
-    val = make_video_count_task(str(tmp_path / "val.parquet"), n_rows=32, seed=1)
-    out_dir = tmp_path / "run"
-    torchrun(
-        2, "train_grpo.py", "configs/tiny_video.yaml", f"actor.model_path={tiny_model_dir}",
-        f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", timeout=400,
-    )  # fmt: skip
-    train_rows = [r for r in _rows(out_dir) if r["step"] > 0]
-    assert [r["step"] for r in train_rows] == list(range(1, 61))
-    first = sum(r["reward/accuracy"] for r in train_rows[:5]) / 5
-    last = sum(r["reward/accuracy"] for r in train_rows[-5:]) / 5
-    ceiling = 1 / FRAMES
-    print(f"video demo: accuracy first 5 steps {first:.3f} -> last 5 {last:.3f}, val {train_rows[-1]['val/accuracy']}")
-    assert first < ceiling + 0.1, first  # the random model starts blind
-    assert last >= ceiling + 0.2, (first, last)
-    assert train_rows[-1]["val/accuracy"] >= ceiling + 0.2, train_rows[-1]["val/accuracy"]
-    assert all(r["actor/micro_batches"] >= 2 for r in train_rows)  # the token budget splits each rank's share
+    assert_demo_learns("configs/tiny_video.yaml", make_video_count_task, 60, 1 / FRAMES, tiny_model_dir, tmp_path)
 
 
 def test_video_count_task_hides_the_answer_from_the_text(tmp_path):
