@@ -21,7 +21,7 @@ def load_gpu_check():
     return module
 
 
-def test_gpu_check_builds_the_real_3b_shape():
+def test_gpu_check_builds_the_real_3b_shape(tmp_path):
     """Guards against a check that measures some other model: the config written in the script must give
     Qwen2.5-VL-3B-Instruct's exact parameter count (3,754,622,976, tied embeddings) and its 669 M vision tower."""
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -35,9 +35,11 @@ def test_gpu_check_builds_the_real_3b_shape():
     assert sum(p.numel() for p in model.parameters()) == 3_754_622_976
     assert sum(p.numel() for p in model.model.visual.parameters()) == 668_684_288
     assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    (tmp_path / "model.safetensors.index.json").write_text("{}")  # build_model's counts of a reused checkpoint
+    assert gpu_check.build_model(str(tmp_path)) == (3_754_622_976, 3_754_622_976 - 668_684_288, 668_684_288)
 
 
-def test_gpu_check_builds_the_real_qwen3_5_9b_shape():
+def test_gpu_check_builds_the_real_qwen3_5_9b_shape(tmp_path):
     """Guards against a Qwen3.5 check that measures some other model: --family qwen3_5's config must give Qwen3.5-9B's
     exact parameter count as transformers loads it (9,409,813,744; memory_plan's known shape), 24 linear-attention
     layers of 32, and untied embeddings."""
@@ -51,6 +53,11 @@ def test_gpu_check_builds_the_real_qwen3_5_9b_shape():
     layers = model.model.language_model.layers
     assert sum(hasattr(layer, "linear_attn") for layer in layers) == 24 and len(layers) == 32
     assert model.lm_head.weight is not model.model.language_model.embed_tokens.weight
+    # build_model's own counts for the family (a built checkpoint is reused: only its meta-device copy is counted)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    total, text, vision = gpu_check.build_model(str(tmp_path), "qwen3_5")
+    assert total == 9_409_813_744 and vision == sum(p.numel() for p in model.model.visual.parameters())
+    assert text == total - vision
 
 
 def test_gpu_check_command_line_is_a_valid_config(tmp_path):
