@@ -6,6 +6,7 @@ Everything here is small and shared: train_grpo.py, checkpoint.py and the benche
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -104,6 +105,21 @@ def cuda_problem(cuda_available: bool, n_gpus: int, driver: str | None, torch_cu
         f"{found} here, but torch {torch.__version__} (built for CUDA {torch_cuda}) cannot use them with {have}; "
         f"{cause}. To run on the CPU on purpose, set CUDA_VISIBLE_DEVICES=''"
     )
+
+
+def exit_rank(code: int):
+    """End this process with `code` without the interpreter's own teardown: exit handlers run and the standard
+    streams are flushed first, so nothing a normal exit writes is lost.
+
+    gloo's worker threads outlive destroy_process_group, and a worker can still be dropping the tensors of the last
+    collective it ran (a barrier keeps the work before it) after the main thread has moved on. If the interpreter is
+    finalizing by then, the worker's GIL acquire (the tensor's Python object is released with it) ends the thread
+    inside a C++ destructor, and the process aborts with "terminate called without an active exception": a finished
+    run reported by torchrun and Slurm as failed (SIGABRT). os._exit never finalizes, so the worker never gets there."""
+    atexit._run_exitfuncs()  # what a normal exit runs: the reward workers' close, logging's flush, child processes
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def print0(*args, **kwargs):

@@ -67,6 +67,7 @@ from optim import config_problem, make_optimizer
 from runtime import (
     StopSignal,
     check_gpu_memory,
+    exit_rank,
     max_over_ranks,
     mean_over_ranks,
     print0,
@@ -1196,4 +1197,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402
 import models  # noqa: E402
+from runtime import exit_rank  # noqa: E402
 
 
 def build_checkpoint(out_dir, layers):
@@ -163,7 +164,8 @@ def main():
     p.add_argument("--export", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
-        return run_rank(args)
+        run_rank(args)
+        exit_rank(0)
 
     with tempfile.TemporaryDirectory() as tmp:
         n_params = build_checkpoint(os.path.join(tmp, "model"), args.layers)

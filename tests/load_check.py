@@ -25,6 +25,7 @@ import checkpoint  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
+import runtime  # noqa: E402
 import train_grpo  # noqa: E402
 from tests.test_packing import _mixed_batch  # noqa: E402
 
@@ -175,3 +176,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    runtime.exit_rank(0)

@@ -1,14 +1,18 @@
 """What a new user on a GPU node hits first, stopped before anything loads: GPUs that torch cannot use, a Slurm task
-that sees one GPU, a checkpoint of another architecture, vLLM's log noise."""
+that sees one GPU, a checkpoint of another architecture, vLLM's log noise. And what they see last: a finished run's
+ranks ending with exit code 0."""
 
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
 import rollout
 import runtime
+from tests.launch import REPO, torchrun
 from train_grpo import main
 
 
@@ -99,3 +103,19 @@ def test_vllm_logs_quiet_but_not_silent(monkeypatch):
         finally:
             logger.removeHandler(handler)
     assert seen == ["out of KV-cache blocks"] * len(rollout.VLLM_NOISE)
+
+
+def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():
+    """Guards against a finished run aborting at exit (SIGABRT, "terminate called without an active exception", so
+    torchrun and Slurm report it failed): a gloo worker thread that drops its last collective's tensor while the
+    interpreter finalizes kills the process. tests/exit_check.py makes that happen on rank 1; ending by returning
+    aborted in 7 of 10 launches on this machine, and runtime.exit_rank must end it cleanly every time."""
+    out = torchrun(2, "tests/exit_check.py", "exit_rank", timeout=120)
+    assert "rank 1: main returned" in out and "rank 1: exit handlers ran" in out  # flushed, handlers run
+
+
+def test_exit_rank_keeps_the_exit_code_handlers_and_output():
+    """Guards against exit_rank's os._exit losing what a normal exit does: the code, exit handlers, buffered output."""
+    code = "import atexit, runtime; atexit.register(print, 'handler'); print('buffered'); runtime.exit_rank(3)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and proc.stdout == "buffered\nhandler\n", (proc.returncode, proc.stdout, proc.stderr)

@@ -193,3 +193,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    runtime.exit_rank(0)
