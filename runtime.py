@@ -7,6 +7,7 @@ Everything here is small and shared: train_grpo.py, checkpoint.py and the benche
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -108,18 +109,20 @@ def cuda_problem(cuda_available: bool, n_gpus: int, driver: str | None, torch_cu
 
 
 def exit_rank(code: int):
-    """End this process with `code` without the interpreter's own teardown: exit handlers run and the standard
-    streams are flushed first, so nothing a normal exit writes is lost.
+    """End this process with `code`, skipping only the interpreter's own teardown: Python's exit handlers run, the
+    standard streams are flushed, and C's exit() then runs the libraries' teardown (vLLM's CPU build unlinks its
+    shared-memory segments there; os._exit would leave them to break the next run's start).
 
     gloo's worker threads outlive destroy_process_group, and a worker can still be dropping the tensors of the last
     collective it ran (a barrier keeps the work before it) after the main thread has moved on. If the interpreter is
     finalizing by then, the worker's GIL acquire (the tensor's Python object is released with it) ends the thread
     inside a C++ destructor, and the process aborts with "terminate called without an active exception": a finished
-    run reported by torchrun and Slurm as failed (SIGABRT). os._exit never finalizes, so the worker never gets there."""
+    run reported by torchrun and Slurm as failed (SIGABRT). Here the interpreter never finalizes, and exit() is called
+    holding the GIL, so such a worker waits until the process ends instead."""
     atexit._run_exitfuncs()  # what a normal exit runs: the reward workers' close, logging's flush, child processes
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(code)
+    ctypes.PyDLL(None).exit(code)  # PyDLL: the call keeps the GIL
 
 
 def print0(*args, **kwargs):

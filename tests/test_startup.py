@@ -115,7 +115,13 @@ def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():
 
 
 def test_exit_rank_keeps_the_exit_code_handlers_and_output():
-    """Guards against exit_rank's os._exit losing what a normal exit does: the code, exit handlers, buffered output."""
-    code = "import atexit, runtime; atexit.register(print, 'handler'); print('buffered'); runtime.exit_rank(3)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 3 and proc.stdout == "buffered\nhandler\n", (proc.returncode, proc.stdout, proc.stderr)
+    """Guards against exit_rank losing what a normal exit does: the code, exit handlers, Python's buffered output, and
+    the C libraries' teardown (here C stdio's buffer, written only by C's exit(); os._exit would drop it)."""
+    code = (
+        "import atexit, ctypes, runtime; atexit.register(print, 'handler'); print('buffered'); "
+        "ctypes.CDLL(None).printf(b'c stdio'); runtime.exit_rank(3)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (which unbuffers C stdio too)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "c stdio" in proc.stdout and proc.stdout.replace("c stdio", "") == "buffered\nhandler\n"  # two buffers

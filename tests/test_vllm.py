@@ -1,5 +1,6 @@
 """The vLLM rollout engine (vLLM's CPU build, in-process under torchrun) against the FSDP2 trainer."""
 
+import glob
 import json
 import os
 
@@ -102,7 +103,10 @@ def test_samples_are_prompt_major_and_reproducible_per_seed(tp1):
 def test_tensor_parallel_group_keeps_each_ranks_own_samples(tp1, tp2):
     """Guards against the TP grouping (ranks pool their prompts, generate together, keep their own slice) handing a
     rank another rank's answers or seeds, and against a sync that breaks when vLLM shards the weights: with
-    per-request seeds, TP=2 over 2 ranks must give each rank exactly what its own TP=1 engine gave it."""
+    per-request seeds, TP=2 over 2 ranks must give each rank exactly what its own TP=1 engine gave it. And against
+    ranks that end without the libraries' teardown: vLLM's CPU build then leaves its shared-memory segments, whose names
+    repeat, and the next TP run on the machine fails to start (errno 17)."""
+    assert not glob.glob("/dev/shm/*cpushm*")
     for single, grouped in zip(tp1, tp2):
         assert grouped["image_samples"] == single["image_samples"]
         assert grouped["diff_text"] <= 1e-4 and grouped["diff_image"] <= 0.05
