@@ -1,5 +1,5 @@
-"""The run's surroundings: distributed setup, rank-0 printing and cross-rank means, the start-up banner (commit,
-versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a signal.
+"""The run's surroundings: distributed setup and a rank's exit, rank-0 printing and cross-rank means, the start-up
+banner (commit, versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a signal.
 
 Everything here is small and shared: train_grpo.py, checkpoint.py and the benches import it; it imports none of them.
 """
