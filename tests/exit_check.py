@@ -7,7 +7,7 @@ Rank 1 starts an all-reduce and drops its own references; rank 0 joins the all-r
 handlers, so the worker finishes the collective, and drops the tensor, while rank 1 is ending. Ended by returning, the
 interpreter is mostly finalizing by then (7 of 10 launches on a 2-core machine): the worker's GIL acquire ends that
 thread inside a C++ destructor and the process aborts ("terminate called without an active exception"). Ended by
-runtime.exit_rank it must exit with code 0, after its exit handlers ran and its unflushed output was written.
+runtime.exit_rank it must exit with code 0, after its exit handlers ran and its output was written.
 """
 
 import atexit
@@ -40,7 +40,7 @@ def main():
         atexit.register(lambda: print("rank 1: exit handlers ran"))
         global slow_teardown  # cleared (and so waited on) by a finalizing interpreter; never by exit_rank
         slow_teardown = SlowTeardown()
-        print("rank 1: main returned")  # stdout is a pipe here: block-buffered, unflushed at exit
+        print("rank 1: main returned")  # (torchrun runs ranks with -u: test_startup checks buffered output apart)
     else:
         store.wait(["rank1_exiting"])
         try:

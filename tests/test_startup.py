@@ -111,7 +111,7 @@ def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():
     interpreter finalizes kills the process. tests/exit_check.py makes that happen on rank 1; ending by returning
     aborted in 7 of 10 launches on this machine, and runtime.exit_rank must end it cleanly every time."""
     out = torchrun(2, "tests/exit_check.py", "exit_rank", timeout=120)
-    assert "rank 1: main returned" in out and "rank 1: exit handlers ran" in out  # flushed, handlers run
+    assert "rank 1: main returned" in out and "rank 1: exit handlers ran" in out  # its output, its exit handlers
 
 
 def test_exit_rank_keeps_the_exit_code_handlers_and_output():
