@@ -236,7 +236,7 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
     ],
 )
 def test_geo3k_plans_term_by_term(config, hand):
-    """Guards against any term of the shipped recipes' plans drifting from the arithmetic the README states (a
+    """Guards against any term of the shipped recipes' plans drifting from the arithmetic docs/memory.md states (a
     shard divided by the wrong world, the frozen-in-bf16 reference counted in fp32, vLLM's share of the wrong total)."""
     numbers = plan_memory(load_config(config, NODE), 8).numbers
     for phase in ("update", "log-probs", "rollout"):
