@@ -149,6 +149,30 @@ def test_stderr_filter_drops_only_the_named_cpp_lines(capfd):
     assert capfd.readouterr().err == f"kept line\nafter\n{noise} shown\n"
 
 
+def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tmp_path):
+    """Guards against the libraries' notes coming back into a run's log (a filter installed after vLLM is imported,
+    the C++ NUMA line escaping the stderr filter, a progress bar): a 2-step vLLM run on one rank, everything it
+    writes to stdout and stderr, must hold none of quiet.py's messages and nothing but the header, the data lines
+    and one line per step (the demo's 30 steps make 44 lines so)."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+           "configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={data}", "data.val_files=",
+           f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.export_hf=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    texts = [text for _, text, _ in quiet.LOGGED] + [message for _, message, _ in quiet.WARNED]
+    texts += [text for text, _ in quiet.PRINTED] + ["Loading safetensors checkpoint shards"]
+    assert [line for line in lines if any(text in line for text in texts)] == []
+    heads = ("config: ", "run: ", "versions: ", "memory plan", "  ", "host memory", "train: ", "trainable", "step ")
+    assert [line for line in lines if not line.startswith(heads)] == [], lines
+    assert sum(line.startswith("step ") for line in lines) == 2
+
+
 def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():
     """Guards against a finished run aborting at exit (SIGABRT, "terminate called without an active exception", so
     torchrun and Slurm report it failed): a gloo worker thread that drops its last collective's tensor while the
