@@ -115,8 +115,8 @@ def filtered_stderr(quiet: bool):
     def pump():
         with os.fdopen(read_end, "rb") as lines:
             for line in lines:
-                if not any(text.encode() in line for text, _ in PRINTED):
-                    os.write(saved, line)
+                while line and not any(text.encode() in line for text, _ in PRINTED):
+                    line = line[os.write(saved, line) :]  # (a pipe may take part of a long line)
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
