@@ -43,7 +43,7 @@ demo-video: tiny-assets
 		m('outputs/tiny_video_data/train.parquet', 128, 0); m('outputs/tiny_video_data/val.parquet', 32, 1)"
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_video.yaml
 
-# the demo with rank-8 LoRA adapters (README "LoRA": the tiny random model's frozen head caps the toy reward, so the
+# the demo with rank-8 LoRA adapters (docs/lora.md: the tiny random model's frozen head caps the toy reward, so the
 # head is adapted too)
 demo-lora: tiny-assets
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml \

@@ -28,8 +28,9 @@ without frames) is skipped with a warning naming file and row; only when no row 
 
 Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
 decoded again in `__getitem__`, so eight ranks do not each hold every decoded image; videos likewise (decoded and
-sampled at construction to check and count them, again for each use). They are converted to RGB
-(alpha composited on white, 16-bit grey scaled to 8 bits) and scaled into [min_pixels, max_pixels].
+sampled at construction to check and count them, again for each use). They are decoded and converted to RGB by
+media.py (alpha composited on white, 16-bit grey scaled to 8 bits), which video.py shares, and scaled here into
+[min_pixels, max_pixels].
 
 The processor. `PromptDataset` sets the processor's image pixel range to its own (`set_pixel_range`), because the
 trainer's forward pass must expand each image to exactly the token count computed here; give vLLM the same values
@@ -38,7 +39,6 @@ video.py made as they are.
 """
 
 import dataclasses
-import io
 import json
 import math
 import os
@@ -52,6 +52,7 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
+from media import image_source, open_image, to_rgb
 from video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -134,45 +135,6 @@ def load_rows(spec: str) -> tuple[list[dict], str]:
 # ----------------------------------------------------------------------------------------------------------------
 # Images
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def file_source(value, base_dir: str | None, what: str) -> bytes | str:
-    """What to read a file from: its bytes, or its path resolved against the data file's directory; a `{bytes, path}`
-    struct gives its bytes, else its path. `what` names the item in errors ("an image", "a video")."""
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return value["bytes"]
-        value = value.get("path")
-        if not value:
-            raise ValueError(f"{what} struct has neither bytes nor path")
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value if os.path.isabs(value) or base_dir is None else os.path.join(base_dir, value)
-    raise ValueError(f"cannot read {what} from {type(value).__name__}")
-
-
-def image_source(value, base_dir: str | None) -> bytes | str | Image.Image:
-    """What to decode an image from: a PIL image as it is, else file_source's bytes or path."""
-    return value if isinstance(value, Image.Image) else file_source(value, base_dir, "an image")
-
-
-def open_image(source: bytes | str | Image.Image) -> Image.Image:
-    """Decode fully (`load`), so truncated data fails here and file handles are released."""
-    if isinstance(source, Image.Image):
-        return source
-    img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
-    img.load()
-    return img
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode.startswith("I"):  # 16/32-bit grey: convert("RGB") would clip everything above 255 to white
-        img = img.convert("I").point(lambda v: v / 257).convert("L")
-    if img.has_transparency_data:  # transparent backgrounds would turn black; diagrams are drawn on white
-        rgba = img.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", img.size, "white"), rgba).convert("RGB")
-    return img.convert("RGB")
 
 
 def fitted_size(

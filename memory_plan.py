@@ -23,8 +23,9 @@ Videos cost what images cost per token: an LM token of a clip is merge^2 patches
 as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the
 KV caches count a prompt's video tokens with the rest of it. vLLM's vision encoder runs inside its share of the GPU
 while awake: vLLM profiles its largest image and clip (rollout.max_images_per_prompt / max_videos_per_prompt at the
-data's budgets) at start and stops there if they do not fit. With rollout.max_videos_per_prompt > 0 the plan says how
-many tokens one clip can take at the video budget (video_clip_tokens).
+data's budgets) at start and stops there if they do not fit. With rollout.max_videos_per_prompt set > 0 the plan says
+how many tokens one clip can take at the video budget (video_clip_tokens); at -1 (the data's most, known only once
+the data is read, after the plan) it does not.
 """
 
 from __future__ import annotations
@@ -615,8 +616,9 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         offload_params=a.offload_params,
         offload_optimizer=a.offload_optimizer,
         vllm_bytes=vllm_bytes,
-        **dict(zip(("video_clip_tokens", "video_pair_tokens"),
-                   video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt else (0, 0))),
+        **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
+                   video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
+                   else (0, 0))),
     )  # fmt: skip
     keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
     # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB

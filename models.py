@@ -58,7 +58,7 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
     """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
     equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
     head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
-    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V) (issue 6)."""
+    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V)."""
     h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logps, entropies = [], []

@@ -18,7 +18,7 @@ waits for the host.)
 On a machine without CUDA the compute device IS the host: the state is still copied out to fresh host tensors and
 back (the same code path, minus pinning), so a CPU run exercises every step of the round trip, at the cost of
 copying memory that frees nothing. FSDP2's CPUOffloadPolicy (actor.ref_offload, for the reference) is the other
-tool: the shards live in host memory for good and every forward copies them in; see the README for which to choose.
+tool: the shards live in host memory for good and every forward copies them in; see docs/memory.md for which to choose.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 The loop in train_grpo.py only calls the engine interface below, so engines plug in without touching it:
 
+    check_prompt_limits(cfg.rollout, [train_set, val_set])  # the data's images and videos a prompt, for vLLM
     engine = make_engine(cfg, processor)                 # right after init_process_group, before the model loads
     engine.wake(); engine.sync_weights(model)            # bring the engine up to the trainer's weights
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 import lora
 import models
+from quiet import filtered_stderr, quiet_logs
 from video import video_processor_size
 
 
@@ -336,34 +338,6 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     return (member_seed * 1_000_003 + prompt * n) % 2**63
 
 
-# Messages vLLM repeats that say nothing to a user of this trainer, by logger. At every weight sync its layer-wise
-# reload warns about layers that received nothing to reload, and with LoRA (which resends only what can change)
-# lists those weights (they keep the tensors they hold; the log-probs after a sync agree with the trainer's,
-# tests/test_vllm.py); on CPU it warns at every torch.set_num_threads call after its thread binding (the call is
-# skipped, as intended).
-VLLM_NOISE = {
-    "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
-    "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded",
-    "vllm.v1.worker.cpu_worker": "torch.set_num_threads",
-}
-
-
-def quiet_vllm_logs():
-    """vLLM logs at WARNING and above unless VLLM_LOGGING_LEVEL says otherwise (its INFO lines would bury the step
-    lines), without the repeated messages of VLLM_NOISE. Call it before vLLM is first imported: vLLM reads the level
-    when it sets up its loggers."""
-    import logging
-
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    for name, text in VLLM_NOISE.items():
-        logger = logging.getLogger(name)
-        if not any(getattr(f, "vllm_noise", False) for f in logger.filters):
-            noise_filter = logging.Filter()
-            noise_filter.filter = lambda record, text=text: text not in record.getMessage()
-            noise_filter.vllm_noise = True
-            logger.addFilter(noise_filter)
-
-
 class VLLMEngine:
     """A vLLM `LLM` inside each torchrun rank (`external_launcher`: no extra processes, no Ray).
 
@@ -379,7 +353,7 @@ class VLLMEngine:
     def __init__(self, cfg, processor):
         # in-process engine core; vLLM reads this when it is imported and when the engine starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        quiet_vllm_logs()
+        quiet = quiet_logs(cfg.trainer.verbose)
         from vllm import LLM
 
         r, d = cfg.rollout, cfg.data
@@ -387,6 +361,9 @@ class VLLMEngine:
         family = models.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
         self.max_videos = r.max_videos_per_prompt
+        if min(self.max_images, self.max_videos) < 0:
+            raise ValueError("rollout.max_images_per_prompt / max_videos_per_prompt at -1 (the data's most): call "
+                             "check_prompt_limits with the data before the engine starts")  # fmt: skip
         on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -394,7 +371,7 @@ class VLLMEngine:
         self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
         # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
         self.sleep_level = r.sleep_level if on_cuda else 0
-        if r.sleep_level and not on_cuda and rank == 0:
+        if r.sleep_level and not on_cuda and rank == 0 and not quiet:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
@@ -428,24 +405,26 @@ class VLLMEngine:
             # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
             # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
             platform["mm_device_do_normalize"] = False
-        self.llm = LLM(
-            model=cfg.actor.model_path,
-            dtype=self.dtype,
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=self.tp,
-            seed=cfg.trainer.seed + rank // self.tp,  # one engine seed per TP group
-            enable_sleep_mode=self.sleep_level > 0,
-            enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
-            max_model_len=max_model_len,
-            max_num_seqs=r.max_num_seqs,
-            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
-            mm_processor_kwargs=mm_kwargs,
-            # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
-            # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
-            # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
-            logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
-            **platform,
-        )
+        with filtered_stderr(quiet):  # (its C++ NUMA note: quiet.PRINTED)
+            self.llm = LLM(
+                model=cfg.actor.model_path,
+                dtype=self.dtype,
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=self.tp,
+                seed=cfg.trainer.seed + rank // self.tp,  # one engine seed per TP group
+                enable_sleep_mode=self.sleep_level > 0,
+                enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
+                max_model_len=max_model_len,
+                max_num_seqs=r.max_num_seqs,
+                limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
+                mm_processor_kwargs=mm_kwargs,
+                # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
+                # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
+                # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
+                logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
+                use_tqdm_on_load=not quiet,  # its progress bar for loading the checkpoint: with trainer.verbose
+                **platform,
+            )
         # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
         # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.
         self.llm.llm_engine.engine_core._finalizer.detach()
@@ -590,19 +569,26 @@ def make_engine(cfg, processor):
     return ENGINES[cfg.rollout.engine](cfg, processor)
 
 
-def check_prompt_limits(rollout_cfg, datasets) -> None:
-    """Stop before the models load when a prompt of the data holds more images or videos than the vLLM engine was
-    built for (limit_mm_per_prompt): it would refuse that prompt only at the rollout that draws it."""
-    if rollout_cfg.engine != "vllm":
-        return
+def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
+    """The vLLM engine's limits of images and videos per prompt (limit_mm_per_prompt), set before it starts: a limit
+    left at -1 becomes the data's most (written back into rollout_cfg), an explicit one is kept, and one below the
+    data's most stops the run before the models load (vLLM would refuse such a prompt only at the rollout that
+    draws it). Data with neither images nor videos keeps one image: with both limits 0 vLLM would build no vision
+    tower, and the weight sync sends one."""
 
     def rows(dataset, sources):  # each prompt's image or video sources; a Subset (validation) has only its own
         whole = getattr(getattr(dataset, "dataset", dataset), sources)
         return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
 
-    for what, sources in (("images", "image_sources"), ("videos", "video_sources")):
-        most = max((len(s) for d in datasets if d is not None for s in rows(d, sources)), default=0)
-        limit = getattr(rollout_cfg, f"max_{what}_per_prompt")
-        if most > limit:
-            raise SystemExit(f"a prompt of the data has {most} {what}: set rollout.max_{what}_per_prompt={most} "
-                             f"(now {limit}; vLLM reserves encoder memory for that many)")  # fmt: skip
+    most = {what: max((len(s) for d in datasets if d is not None for s in rows(d, f"{what[:5]}_sources")), default=0)
+            for what in ("images", "videos")}  # fmt: skip
+    auto = {"images": most["images"] or int(not most["videos"]), "videos": most["videos"]}
+    for what, count in most.items():
+        key = f"max_{what}_per_prompt"
+        limit = getattr(rollout_cfg, key)
+        if limit < 0:
+            setattr(rollout_cfg, key, auto[what])
+        elif count > limit and rollout_cfg.engine == "vllm":
+            raise SystemExit(f"a prompt of the data has {count} {what}: set rollout.{key}={count} or -1, the data's "
+                             f"most (now {limit}; vLLM reserves encoder memory for that many)")  # fmt: skip
+    return rollout_cfg.max_images_per_prompt, rollout_cfg.max_videos_per_prompt

@@ -126,7 +126,7 @@ class ActorConfig:
     global_batch_size: int = 128  # prompts per optimizer step (divides data.rollout_batch_size)
     micro_batch_size: int = 4  # sequences per forward/backward per rank (gradient accumulation fills the rest)
     micro_batch_size_no_grad: int = 16  # sequences per forward for old/ref log-probs
-    padding_free: bool = True  # pack each micro-batch's sequences into one row, no pad tokens (issue 6)
+    padding_free: bool = True  # pack each micro-batch's sequences into one row, no pad tokens
     shared_prefix: bool = True  # packed: a group's prompt and images once for all its answers in a micro-batch
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of micro_batch_size
     max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
@@ -176,8 +176,8 @@ class RolloutConfig:
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
     sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
-    max_images_per_prompt: int = 1  # vllm reserves vision-encoder memory for this many images in one prompt
-    max_videos_per_prompt: int = 0  # ... and this many videos (0: prompts with a video are refused)
+    max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
+    max_videos_per_prompt: int = -1  # ... and this many videos; -1 = the data's most (both read before vllm starts)
     enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
 
 
@@ -205,6 +205,7 @@ class TrainerConfig:
     val_samples: int = 4  # validation generations written to <output_dir>/val_samples.jsonl per validation
     wandb_project: str = "grpo-vl"  # wandb project; the run is named after output_dir
     seed: int = 1
+    verbose: bool = False  # every library message, unfiltered (quiet.py names what a run hides and why)
     n_gpus_per_node: int = 0  # for the memory plan (memory_plan.py); 0 = the GPUs CUDA sees, or 8 without a GPU
     gpu_memory_gib: float = 0.0  # memory of one GPU for the plan; 0 = what CUDA reports, or 80 without a GPU
 
@@ -934,16 +935,11 @@ def load_datasets(cfg, processor, rank, world):
         filter_overlong_prompts=d.filter_overlong_prompts,
     )  # fmt: skip
     train_set = PromptDataset(d.train_files, processor, **dataset_kwargs)
-    print0(
-        f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, "
-        f"{train_set.n_overlong} longer than {d.max_prompt_length} tokens dropped)"
-    )
     val_set = None
     if d.val_files:
         val_set = PromptDataset(d.val_files, processor, **dataset_kwargs)
         if d.val_max_samples:
             val_set = torch.utils.data.Subset(val_set, range(min(d.val_max_samples, len(val_set))))
-        print0(f"val: {len(val_set)} prompts")
 
     sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
     steps_per_epoch = len(sampler.indices(0)) // (d.rollout_batch_size // world)
@@ -953,8 +949,11 @@ def load_datasets(cfg, processor, rank, world):
             f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data"
         )
     total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
-    print0(f"{steps_per_epoch} steps per epoch, {total_steps} steps in all")
-    rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])
+    images, videos = rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])  # before the engine starts
+    print0(f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, {train_set.n_overlong} longer "
+           f"than {d.max_prompt_length} tokens dropped) | val: {len(val_set) if val_set else 0} prompts | "
+           f"{steps_per_epoch} steps per epoch, {total_steps} in all | "
+           f"at most {images} images, {videos} videos a prompt")  # fmt: skip
     return train_set, val_set, sampler, total_steps
 
 
@@ -1089,9 +1088,9 @@ def main(argv=None):
 
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
+    train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)  # (host memory only)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
     engine = rollout.make_engine(cfg, processor)
-    train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
     workers = cfg.reward.num_workers or default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from media import file_source, image_source, open_image, to_rgb
+
 VIDEO_MARK = "<video>"
 MAX_ASPECT_RATIO = 100  # as data.py pads images to: Qwen's towers reject ratios >= 200
 
@@ -116,9 +118,7 @@ def frame_size(width: int, height: int, min_pixels: int, max_pixels: int, side: 
 
 
 def video_source(value, base_dir: str | None):
-    """What to read a video from: a list of frame sources (see data.image_source), or a file's bytes or path."""
-    from data import file_source, image_source
-
+    """What to read a video from: a list of frame sources (see media.image_source), or a file's bytes or path."""
     if is_frame_list(value):
         return [image_source(frame, base_dir) for frame in value]
     return file_source(value, base_dir, "a video")
@@ -127,8 +127,6 @@ def video_source(value, base_dir: str | None):
 def load_video(source, fps: float, max_frames: int, min_pixels: int, max_pixels: int, side: int) -> Video:
     """The sampled, resized frames of a video_source (see the module docstring). Raises on a video that does not
     decode or has no frame."""
-    from data import open_image, to_rgb
-
     if isinstance(source, list):  # frames: already sampled at `fps`, thinned to max_frames
         total, src_fps = len(source), fps
         indices = evenly(total, sampled_count(total, src_fps, fps, max_frames)) if total else []

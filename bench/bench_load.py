@@ -1,7 +1,7 @@
 """Host memory of loading the policy and the reference on 8 CPU ranks, the old way against the new, in one run.
 
 - old: every rank calls from_pretrained in fp32 (the whole model), then FSDP2 keeps its shard; twice (the policy,
-  then the reference), as models.py did before the loader read shards (issue "Ready for a real GPU node", item 4).
+  then the reference), as models.py did before the loader read shards.
 - new: models.load_policy_and_reference: built on the meta device, sharded, each rank reading only its rows of
   each weight from the safetensors; the reference in the compute dtype.
 

@@ -155,7 +155,7 @@ def legitimate_pairs(count: int, seed: int) -> list[tuple[str, str]]:
 
 
 # -----------------------------------------------------------------------------
-# degenerate answers, one function per style the issue measured (and two more), each a whole response
+# degenerate answers, one function per style, each a whole response
 
 
 def _boxed(content: str) -> str:

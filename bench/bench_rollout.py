@@ -76,12 +76,13 @@ def main():
 
     d, r = cfg.data, cfg.rollout
     processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
-    t_start, vllm_engine = timed(lambda: rollout.make_engine(cfg, processor))  # before the model, as in training
     dataset = PromptDataset(
         d.train_files, processor, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
         format_prompt=runtime.resolve_path(d.format_prompt) or None, min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
     )  # fmt: skip
+    rollout.check_prompt_limits(r, [dataset])  # the engine's images and videos per prompt, as in training
+    t_start, vllm_engine = timed(lambda: rollout.make_engine(cfg, processor))  # before the model, as in training
     per_rank = d.rollout_batch_size // world
     prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(rank * per_rank, (rank + 1) * per_rank)]
 

@@ -1,4 +1,5 @@
-"""Training-side throughput mechanisms of issue 6, measured side by side in one run.
+"""Training-side throughput mechanisms (packing, token budgets, chunked log-probs, shared prefixes), measured
+side by side in one run.
 
 1. Step time, padded vs packed: forward (the trainer's forward_logprobs) + backward of a token-mean loss over one
    rank's rollout batch. Padded = micro-batches of `--micro-batch-size` sequences laid out by rollout.collate, each
@@ -6,7 +7,7 @@
    partition) laid out by rollout.pack, no pad tokens, attention kept inside each sequence.
 2. Peak memory, naive vs chunked log-probs: the full (B, T, V) fp32 logits then log_softmax, against the trainer's
    chunked LM head, on one padded micro-batch.
-3. Step time, packed vs shared prefix (issue 13): the same token budget, but each group's prompt once per
+3. Step time, packed vs shared prefix: the same token budget, but each group's prompt once per
    micro-batch part [prompt | answer 1 | ... | answer k] (batching.shared_prefix_parts), attention letting each
    answer see its prompt and not its siblings. Prints the step-time ratio and the processed-token ratio.
 4. Packing efficiency = real tokens / processed tokens, for a geo3k-sized step on `--ranks` ranks in lockstep
@@ -149,7 +150,8 @@ def lockstep_efficiency(ranks_lengths, variant, args):
 
 
 def naive_logprobs(model, batch_inputs, response_ids, temperature):
-    """Full (B, T, V) logits, fp32 log_softmax gather, no-grad entropy on the same: the trainer before issue 6."""
+    """Full (B, T, V) logits, fp32 log_softmax gather, no-grad entropy on the same: the trainer before
+    chunked log-probs."""
     logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
     logp = models.token_logprobs(logits, response_ids, temperature)  # (B, T)
     with torch.no_grad():

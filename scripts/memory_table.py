@@ -1,4 +1,4 @@
-"""The README's table of which models fit which GPUs: `train_grpo.py --dry-run` for each model, node and setting.
+"""docs/memory.md's table of which models fit which GPUs: `train_grpo.py --dry-run` for each model, node, setting.
 
     .venv/bin/python scripts/memory_table.py      # a markdown table, one row per model and setting (a few seconds)
 

@@ -56,7 +56,7 @@ def read_export(out_dir):
 
 
 def lora_facts(tiny, base, processor, out_dir):
-    """LoRA (issue 15): what is trainable; the reference log-probs (compute_old_and_ref_logprobs, the policy with its
+    """LoRA: what is trainable; the reference log-probs (compute_old_and_ref_logprobs, the policy with its
     adapters off) against those of `base`, the same checkpoint loaded separately; the merged export against the
     adapted policy; the adapter directory as PEFT loads and merges it, against the merged export."""
     from peft import PeftModel

@@ -26,7 +26,7 @@ DETERMINISTIC_KEYS = [
 ]  # fmt: skip
 
 
-# LoRA on (issue 15): the same runs must resume as exactly from checkpoints that hold only the adapters and their
+# LoRA on: the same runs must resume as exactly from checkpoints that hold only the adapters and their
 # optimizer state
 LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2"]
 

@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 import data
-from data import PromptDataset, ShardSampler, fit_image, fitted_size, load_rows, to_rgb
+from data import PromptDataset, ShardSampler, fit_image, fitted_size, load_rows
+from media import to_rgb
 from scripts.make_synthetic_data import main as synthetic_main
 from scripts.make_synthetic_data import make_geo3k_like
 

@@ -1,4 +1,4 @@
-"""Model families (issue 14): Qwen2.5-VL, Qwen3-VL and Qwen3.5 through the same loading, packing and shared-prefix
+"""Model families: Qwen2.5-VL, Qwen3-VL and Qwen3.5 through the same loading, packing and shared-prefix
 code, each held to a reference computation on a tiny random model of its own family (real config, processor and
 tokenizer classes, scripts/make_tiny_model.py --family)."""
 

@@ -1,4 +1,4 @@
-"""Loading that scales (issue "Ready for a real GPU node", item 4): models.load_sharded builds the model on the meta
+"""Loading that scales: models.load_sharded builds the model on the meta
 device, shards it and reads each rank's rows from the safetensors; checkpoint.save_hf writes weight by weight. Both
 must give exactly what from_pretrained and save_pretrained give."""
 
@@ -56,7 +56,7 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_model_dir, checkpoin
     assert facts["policy_dtypes"] == ["torch.float32"] and facts["ref_dtypes"] == ["torch.float32"]  # CPU: fp32
     assert facts["policy_trainable"] == {"visual": [False], "language_model": [True], "lm_head": [True]}
     assert facts["ref_trainable"] == []
-    # LoRA (issue 15), rank 8 on the default targets (the language model's 7 projections per decoder layer) and lm_head
+    # LoRA, rank 8 on the default targets (the language model's 7 projections per decoder layer) and lm_head
     assert facts["lora/ref_is_policy"]  # no second model
     assert facts["lora/trainable_not_adapters"] == [] and facts["lora/trainable_after_ref"]
     assert facts["lora/adapters_without_grad"] == []

@@ -71,7 +71,8 @@ def _tiny_batch(processor, model):
 
 
 def _full_logits_logprobs(model, batch_inputs, response_ids, temperature):
-    """The pre-issue-6 computation: full logits of the last T + 1 positions, then log_softmax/entropy on them."""
+    """The computation before chunked log-probs: full logits of the last T + 1 positions, then log_softmax/entropy
+    on them."""
     logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
     return token_logprobs(logits, response_ids, temperature), entropy_from_logits(logits, temperature)
 

@@ -236,7 +236,7 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
     ],
 )
 def test_geo3k_plans_term_by_term(config, hand):
-    """Guards against any term of the shipped recipes' plans drifting from the arithmetic the README states (a
+    """Guards against any term of the shipped recipes' plans drifting from the arithmetic docs/memory.md states (a
     shard divided by the wrong world, the frozen-in-bf16 reference counted in fp32, vLLM's share of the wrong total)."""
     numbers = plan_memory(load_config(config, NODE), 8).numbers
     for phase in ("update", "log-probs", "rollout"):
@@ -299,7 +299,7 @@ def test_hf_engine_plans_one_decode_step_of_at_most_max_num_seqs_rows():
 
 
 def test_lora_plan_term_by_term():
-    """Guards against a LoRA plan (issue 15) that still counts the full model's gradients and AdamW moments, or a
+    """Guards against a LoRA plan that still counts the full model's gradients and AdamW moments, or a
     reference model, or the frozen tower's activations: 7B with rank-8 adapters on the seven projections of each
     decoder layer, against hand arithmetic; what stays is every phase's other terms."""
     full = plan_memory(load_config("configs/geo3k.yaml", NODE), 8).numbers["phases"]

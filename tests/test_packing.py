@@ -1,4 +1,4 @@
-"""Padding-free packing and token-budget micro-batches (issue 6): the packed forward against the padded one and
+"""Padding-free packing and token-budget micro-batches: the packed forward against the padded one and
 against each sequence alone, and the properties of the micro-batch partition."""
 
 import random

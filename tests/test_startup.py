@@ -7,13 +7,14 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
-import rollout
+import quiet
 import runtime
 from tests.launch import REPO, torchrun
-from train_grpo import main
+from train_grpo import load_config, main
 
 
 def test_gpus_that_torch_cannot_use_stop_the_run():
@@ -78,31 +79,98 @@ def test_checkpoint_of_another_architecture_stops_before_loading(tmp_path, tiny_
     assert unsupported_model(tiny_model_dir) is None
 
 
-def test_vllm_logs_quiet_but_not_silent(monkeypatch):
-    """Guards against a demo log of 1,751 lines for 30 steps: vLLM's INFO lines, and a 'Failed to load weights'
-    warning per layer at every weight sync that looks like a broken sync. Other warnings must still show."""
+def test_library_noise_is_filtered_but_not_other_warnings(monkeypatch):
+    """Guards against a demo log buried in library noise (1,751 lines for 30 steps once, then 77): vLLM's INFO lines,
+    a 'Failed to load weights' warning per layer at every weight sync that looks like a broken sync, start-up notes
+    about Triton, CUDA_HOME, seeds and CPU tips. Each row of quiet.py's tables must be dropped, every other message
+    of the same loggers and categories must still show, and a second engine must not add a second filter."""
     monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(quiet, "_level_set_here", False)
     os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    rollout.quiet_vllm_logs()
-    rollout.quiet_vllm_logs()  # a second engine in the same process adds no second filter
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
-    os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"
-    rollout.quiet_vllm_logs()
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's choice stands
+    loggers = {name for name, _, _ in quiet.LOGGED}
+    for name in loggers:  # (filters added here are gone after the test)
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert quiet.quiet_logs(verbose=False)
+        assert quiet.quiet_logs(verbose=False)  # a second engine in the same process: still quiet, no second filter
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+        assert all(len(logging.getLogger(name).filters) == 1 for name in loggers)
 
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    for name, noise in rollout.VLLM_NOISE.items():
-        logger = logging.getLogger(name)
-        assert len(logger.filters) == 1
-        logger.addHandler(handler)
-        try:
-            logger.warning("%s: %s", "QKVParallelLinear", noise)
-            logger.warning("out of KV-cache blocks")
-        finally:
-            logger.removeHandler(handler)
-    assert seen == ["out of KV-cache blocks"] * len(rollout.VLLM_NOISE)
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        for name, text, reason in quiet.LOGGED:
+            assert reason, name  # every row says why it is harmless
+            logger = logging.getLogger(name)
+            logger.addHandler(handler)
+            try:
+                logger.warning("%s: %s", "QKVParallelLinear", text)
+                logger.warning("out of KV-cache blocks")
+            finally:
+                logger.removeHandler(handler)
+        assert seen == ["out of KV-cache blocks"] * len(quiet.LOGGED)
+        for category, message, _ in quiet.WARNED:
+            warnings.warn(message, category, stacklevel=1)
+            warnings.warn("something else is deprecated", category, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"] * len(quiet.WARNED)
+
+
+def test_verbose_or_a_users_vllm_level_shows_everything(monkeypatch):
+    """Guards against a switch that cannot bring the filtered messages back: trainer.verbose, or a VLLM_LOGGING_LEVEL
+    the user set, must leave vLLM's level and every logger unfiltered."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(quiet, "_level_set_here", False)
+    for name, _, _ in quiet.LOGGED:
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    assert not quiet.quiet_logs(verbose=True)
+    assert "VLLM_LOGGING_LEVEL" not in os.environ  # vLLM's own default, INFO
+    os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    assert not quiet.quiet_logs(verbose=False)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"  # the user's choice stands
+    assert all(not logging.getLogger(name).filters for name, _, _ in quiet.LOGGED)
+    assert load_config(None, ["trainer.verbose=true"]).trainer.verbose
+
+
+def test_stderr_filter_drops_only_the_named_cpp_lines(capfd):
+    """Guards against C++ warnings (written to file descriptor 2, past Python) still reaching the log, and against
+    the filter swallowing anything else or leaving file descriptor 2 redirected after the block."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    noise = quiet.PRINTED[0][0]
+    with quiet.filtered_stderr(True):
+        os.write(2, f"[W utils.cpp:68] Warning: {noise} (0)\nkept line\n".encode())
+        libc.fflush(None)
+    os.write(2, b"after\n")
+    with quiet.filtered_stderr(False):  # verbose: nothing dropped
+        os.write(2, f"{noise} shown\n".encode())
+    assert capfd.readouterr().err == f"kept line\nafter\n{noise} shown\n"
+
+
+def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tmp_path):
+    """Guards against the libraries' notes coming back into a run's log (a filter installed after vLLM is imported,
+    the C++ NUMA line escaping the stderr filter, a progress bar): a 2-step vLLM run on one rank, everything it
+    writes to stdout and stderr, must hold none of quiet.py's messages and nothing but the header, the data lines
+    and one line per step (the demo's 30 steps make 44 lines so)."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+           "configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={data}", "data.val_files=",
+           f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.export_hf=false"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    texts = [text for _, text, _ in quiet.LOGGED] + [message for _, message, _ in quiet.WARNED]
+    texts += [text for text, _ in quiet.PRINTED] + ["Loading safetensors checkpoint shards"]
+    assert [line for line in lines if any(text in line for text in texts)] == []
+    heads = ("config: ", "run: ", "versions: ", "memory plan", "  ", "host memory", "train: ", "trainable", "step ")
+    assert [line for line in lines if not line.startswith(heads)] == [], lines
+    assert sum(line.startswith("step ") for line in lines) == 2
 
 
 def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():

@@ -357,11 +357,12 @@ def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
     assert min(vision) >= pairs + images  # every frame pair and image bounded on its own (windows may split more)
 
 
-def test_prompt_limits_are_checked_before_the_models_load(tiny_family_dir, tmp_path):
-    """Guards against a video dataset under vLLM's default limits (rollout.max_videos_per_prompt=0) loading the
-    models and then failing at the first rollout that draws a video: the data's most images and videos per prompt
-    are checked against the engine's limits as soon as the data is read, naming the key to set; the HF engine has
-    no such limits."""
+def test_prompt_limits_follow_the_data_or_are_checked_before_the_models_load(tiny_family_dir, tmp_path):
+    """Guards against a video dataset needing a key before it trains (the limits at -1 must become the data's most
+    images and videos per prompt, counted over the rows the run sees) and against an explicit limit below the data's
+    loading the models and then failing at the first rollout that draws a video: it stops as soon as the data is
+    read, naming the key to set; an explicit limit is kept as it is; the HF engine has no such limits. Data with
+    neither images nor videos keeps one image, so vLLM still builds the vision tower the weight sync fills."""
     from types import SimpleNamespace
 
     from scripts.make_synthetic_data import make_mixed_media
@@ -374,8 +375,17 @@ def test_prompt_limits_are_checked_before_the_models_load(tiny_family_dir, tmp_p
     )
     rollout.check_prompt_limits(limits("vllm", 1, 1), [ds, None])
     rollout.check_prompt_limits(limits("hf", 0, 0), [ds])
-    with pytest.raises(SystemExit, match=r"1 videos: set rollout.max_videos_per_prompt=1 \(now 0"):
+    with pytest.raises(SystemExit, match=r"1 videos: set rollout.max_videos_per_prompt=1 or -1, .* \(now 0"):
         rollout.check_prompt_limits(limits("vllm", 1, 0), [ds])
-    with pytest.raises(SystemExit, match=r"1 images: set rollout.max_images_per_prompt=1 \(now 0"):
+    with pytest.raises(SystemExit, match=r"1 images: set rollout.max_images_per_prompt=1 or -1, .* \(now 0"):
         rollout.check_prompt_limits(limits("vllm", 0, 1), [torch.utils.data.Subset(ds, range(2))])
     rollout.check_prompt_limits(limits("vllm", 0, 1), [torch.utils.data.Subset(ds, [1, 5])])  # a subset: its rows
+    rollout.check_prompt_limits(limits("vllm", 0, 0), [torch.utils.data.Subset(ds, [3, 7])])  # text only: 0 is fine
+    # rows in turn: an image, a video, both, text only
+    for rows, expected in ((range(8), (1, 1)), ([1, 5], (0, 1)), ([0, 4], (1, 0)), ([3, 7], (1, 0)), ([3, 5], (0, 1))):
+        cfg = limits("vllm", -1, -1)
+        subset = torch.utils.data.Subset(ds, rows)
+        assert rollout.check_prompt_limits(cfg, [subset, None]) == expected, rows
+        assert (cfg.max_images_per_prompt, cfg.max_videos_per_prompt) == expected  # what the engine is built with
+    cfg = limits("vllm", 3, -1)  # an explicit limit above the data's is kept
+    assert rollout.check_prompt_limits(cfg, [ds]) == (3, 1) and cfg.max_images_per_prompt == 3

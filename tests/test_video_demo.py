@@ -72,7 +72,7 @@ def test_mixed_image_video_and_text_rows_train_on_two_ranks(tiny_family_dir, tmp
     torchrun(
         2, "train_grpo.py", "configs/tiny_video.yaml", f"actor.model_path={tiny_family_dir(family)}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
-        "trainer.max_steps=2", "trainer.val_freq=2", "rollout.max_images_per_prompt=1", "rollout.n=4", *overrides,
+        "trainer.max_steps=2", "trainer.val_freq=2", "rollout.n=4", *overrides,
         timeout=300,
     )  # fmt: skip
     rows = _rows(out_dir)

@@ -1,0 +1,130 @@
+"""The library messages a run does not show, each with the reason it is harmless, and the switch that shows them.
+
+A run's log is its config, versions, hosts, memory plan and one line per step. The libraries add, at start and at
+every weight sync, messages that nobody running this trainer can act on; they are named here, one row each, and
+nowhere else. Everything else they say still shows: vLLM at WARNING and above, every other warning as it comes.
+`trainer.verbose=true`, or a VLLM_LOGGING_LEVEL of your own (INFO, DEBUG, even WARNING), shows it all: no row is
+filtered, vLLM logs at that level (INFO by default) and draws its progress bars.
+
+    quiet = quiet_logs(verbose)          # before vLLM is first imported: it reads its level when it sets up logging
+    with filtered_stderr(quiet):         # around the engine's start, for what C++ writes past Python
+        llm = LLM(...)
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import warnings
+
+# Logged through Python's logging: (logger, text in the message, why it is harmless here). A logger's filter sees
+# only the records logged to that very logger, not its children's, so each row names the module that logs.
+LOGGED = [
+    # at the engine's start on CPU (vLLM's CPU build, the demo and the tests)
+    ("vllm.triton_utils.importing", "doesn't include CPU backend",
+     "PyPI's torch brings Triton without its CPU backend; vLLM's CPU build runs its own kernels instead"),
+    ("vllm.platforms.cpu", "triton-cpu is expected",
+     "the same: the CPU kernels vLLM ships need no Triton"),
+    ("vllm.config.vllm", "Model Runner V2 requires Triton",
+     "the same: the V1 runner it falls back to is the one this trainer is tested with"),
+    ("vllm.platforms.cpu", "Reset SSM cache type to float32",
+     "vLLM's CPU build keeps linear-attention state in fp32, as the trainer's fp32 CPU run does"),
+    ("torch.utils.cpp_extension", "No CUDA runtime is found",
+     "torch looks for a CUDA toolkit to build extensions with when vLLM imports it; nothing is built on CPU"),
+    ("vllm.engine.arg_utils", "The global random seed is set to",
+     "vLLM seeds the process's global generators with the engine's seed; the data order and each request's "
+     "sampling have seeds of their own (data.ShardSampler, rollout.request_seed) and checkpoints keep RNG states"),
+    ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill",
+     "rollout.py turns chunked prefill off on CPU on purpose (seeded requests crash vLLM 0.32's CPU runner when "
+     "it rewinds them); every prompt is then scheduled whole, which is what any model supports"),
+    ("vllm.config.vllm", "Enforce eager set",
+     "the trainer asks for eager mode on CPU (CUDA graphs and compilation exist on CUDA only)"),
+    ("vllm.config.vllm", "Inductor compilation was disabled",
+     "the same eager mode, seen from the compiler's side"),
+    ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD",
+     "vLLM's CPU performance tip (tcmalloc, Intel OpenMP): the CPU runs are the demo and the tests, not production"),
+    # at every weight sync
+    ("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights",
+     "the layer-wise reload names layers that received nothing to reload; they keep what they hold, and the "
+     "log-probs after a sync equal the trainer's (tests/test_vllm.py)"),
+    ("vllm.model_executor.model_loader.reload.inplace", "Following weights were not loaded",
+     "with LoRA the sync resends only what can change; the rest keeps its tensors (tests/test_vllm.py)"),
+    ("vllm.v1.worker.cpu_worker", "torch.set_num_threads",
+     "on CPU, vLLM's thread binding skips later set_num_threads calls, as intended"),
+]  # fmt: skip
+
+# Python warnings: (category, the message's start as a regular expression, why it is harmless here).
+WARNED = [
+    (FutureWarning, r"`torch.distributed.reduce_op` is deprecated",
+     "vLLM's kernel dispatcher reads every attribute of the modules it scans, torch's deprecated alias among them; "
+     "nothing uses it"),
+]  # fmt: skip
+
+# Written by C++ straight to the process's stderr, past Python's logging and warnings: (text in the line, why).
+PRINTED = [
+    ("NUMA binding: Using MEMBIND policy",
+     "vLLM's CPU worker binds the rank's memory to the NUMA node of its cores, as it should"),
+]  # fmt: skip
+
+_level_set_here = False  # whether VLLM_LOGGING_LEVEL is ours (then a second engine in the process is quiet too)
+
+
+class _Noise(logging.Filter):
+    def __init__(self, texts):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record):
+        return not any(text in record.getMessage() for text in self.texts)
+
+
+def quiet_logs(verbose: bool) -> bool:
+    """Filter the rows above and set vLLM's level to WARNING, unless `verbose` or the user's own VLLM_LOGGING_LEVEL
+    asks for everything. True when quiet. Call it before vLLM is first imported (it reads the level then); calling
+    it again adds no second filter."""
+    global _level_set_here
+    user_level = "VLLM_LOGGING_LEVEL" in os.environ and not _level_set_here
+    if verbose or user_level:
+        return False
+    os.environ["VLLM_LOGGING_LEVEL"], _level_set_here = "WARNING", True
+    texts = {}
+    for name, text, _ in LOGGED:
+        texts.setdefault(name, []).append(text)
+    for name, logger_texts in texts.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Noise) for f in logger.filters):
+            logger.addFilter(_Noise(logger_texts))
+    for category, message, _ in WARNED:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    return True
+
+
+@contextlib.contextmanager
+def filtered_stderr(quiet: bool):
+    """Drop PRINTED's lines from what is written to file descriptor 2 inside the block (C++ warnings reach no Python
+    filter); every other line passes through as it comes, so a hang still shows what was said before it."""
+    if not quiet:
+        yield
+        return
+    sys.stderr.flush()
+    saved, (read_end, write_end) = os.dup(2), os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump():
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                while line and not any(text.encode() in line for text, _ in PRINTED):
+                    line = line[os.write(saved, line) :]  # (a pipe may take part of a long line)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end here: the pump reads to its end and stops
+        thread.join(timeout=10)
+        if not thread.is_alive():  # (a child process started inside may still hold the pipe: leave it its way out)
+            os.close(saved)
