@@ -23,6 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from runtime import print0
+
 SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
 MODALITIES = ("text", "image", "video")  # a sample with a video counts as video, one with images as image
 IS_LEVELS = ("none", "token", "sequence")
@@ -312,23 +314,36 @@ CAUSES = (
 
 
 def check_start(old_logps, samples, prompts, bound) -> None:
-    """The guard of a run's first step (and the first after a resume): stop every rank with a message when the
-    mismatch KL of a modality passes `bound` (algorithm.mismatch_guard). `old_logps` are the trainer's per-sample
-    log-probs under the weights that sampled. Collective (step_metrics): every rank decides on the same figures."""
-    stats = dict.fromkeys(STATS, 0.0)
+    """The guard of a run's first step (and the first after a resume): print each modality's mismatch, and stop
+    every rank with a message when a prompt's answers together have a mismatch KL above `bound`
+    (algorithm.mismatch_guard). Per prompt, not only per modality: one prompt whose image was lost among a hundred
+    good ones moves the modality's mean by a hundredth. `old_logps` are the trainer's per-sample log-probs under the
+    weights that sampled. Collective: every rank decides on the same reduced figures."""
+    stats, groups = dict.fromkeys(STATS, 0.0), {}
     for logp, s in zip(old_logps, samples):
-        engine = torch.tensor(s.logprobs, dtype=logp.dtype)[None]  # (1, T)
-        measure(logp[None], engine, torch.ones_like(engine), [modality(prompts[s.prompt_index])], stats)
+        kind = modality(prompts[s.prompt_index])
+        engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
+        measure(logp[None], engine[None], torch.ones_like(engine)[None], [kind], stats)
+        x = (logp - engine).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
+        group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
+        group[1], group[2] = group[1] + (x.exp() - 1 - x).sum().item(), group[2] + len(x)
+    worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
+    for kind, kl_sum, tokens in groups.values():
+        i = MODALITIES.index(kind)
+        worst[i] = max(worst[i].item(), kl_sum / max(tokens, 1))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     metrics = _gap_metrics(_over_ranks(stats))
-    for m in MODALITIES:
-        kl = metrics.get(f"rollout/mismatch_kl/{m}", 0.0)
-        if kl > bound:
-            diff = metrics[f"rollout/logprob_diff_mean/{m}"]
+    present = [(m, metrics[f"rollout/mismatch_kl/{m}"], w) for m, w in zip(MODALITIES, worst.tolist())
+               if f"rollout/mismatch_kl/{m}" in metrics]  # fmt: skip
+    print0("mismatch KL at the start (all samples / worst prompt): "
+           + ", ".join(f"{m} {kl:.2g} / {w:.2g}" for m, kl, w in present) + f"; guard {bound:g}")  # fmt: skip
+    for m, kl, w in present:
+        if w > bound:
             raise SystemExit(
-                f"engine/trainer mismatch: the {m} samples of the first step have a mismatch KL of {kl:.3g} (mean "
-                f"|log p_trainer - log p_engine| {diff:.3g}), above algorithm.mismatch_guard={bound:g}, which "
-                f"differing arithmetic stays far below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} "
-                f"Raise algorithm.mismatch_guard, or 0 turns this check off."
+                f"engine/trainer mismatch: the {m} samples of the first step have a mismatch KL of {w:.3g} for "
+                f"their worst prompt ({kl:.3g} over all of them), above algorithm.mismatch_guard={bound:g}, which "
+                f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
+                f"algorithm.mismatch_guard, or 0 turns this check off."
             )
 
 

@@ -120,7 +120,7 @@ class AlgorithmConfig:
     rollout_rs: str = ""  # reject tokens/sequences too far off the engine: comma list of mismatch.RS_MODES; "" = off
     rollout_rs_threshold: str = ""  # one for all modes or one per mode; "lower_upper" ratio bounds for the k1 modes
     rollout_bypass: bool = False  # the engine's log-probs are the old ones: no old-log-prob forward
-    mismatch_guard: float = 0.05  # stop at the first step if a modality's mismatch KL passes it; 0 = off
+    mismatch_guard: float = 0.01  # stop at the first step if a prompt's mismatch KL passes it (mismatch.py); 0 = off
     online_filtering: bool = False  # DAPO dynamic sampling: drop prompt groups whose mean filter_key is out of bounds
     filter_key: str = "accuracy"  # reward key the filter looks at
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...

@@ -13,9 +13,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-import rollout
-import runtime
-import train_grpo
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+
+import rollout  # noqa: E402
+import runtime  # noqa: E402
+import train_grpo  # noqa: E402
 
 
 def blank(prompt):

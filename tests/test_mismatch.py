@@ -222,9 +222,46 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     rows, log = _demo_run(tmp_path / "fault", tiny_model_dir, "blank_image", "trainer.max_steps=1")
     assert rows is None, log[-3000:]
     assert "the image samples of the first step have a mismatch KL of" in log, log[-3000:]
-    assert "algorithm.mismatch_guard=0.05" in log and "images or videos dropped" in log
+    assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
     rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.max_steps=1")
     assert rows is not None, log[-3000:]
     (row,) = rows
     assert row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
     assert "rollout/mismatch_kl/video" not in row
+
+
+CORRECTION_RUNS = {
+    # IcePop token weights, and rejection of tokens outside [0.87, 1.15] and of sequences with a mean k3 above 0.008
+    "token": ["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=0.5_2.0",
+              "algorithm.rollout_rs=token_k1,seq_mean_k3", "algorithm.rollout_rs_threshold=0.87_1.15,0.008"],
+    # truncated sequence weights, and rejection of sequences whose summed log ratio leaves [1/2, 2]
+    "sequence": ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=2.0",
+                 "algorithm.rollout_rs=seq_sum_k1", "algorithm.rollout_rs_threshold=2.0"],
+    # the engine's log-probs as the old ones over two optimizer steps a step, rejecting sequences by their worst k2
+    "bypass": ["algorithm.rollout_bypass=true", "actor.global_batch_size=8", "algorithm.rollout_rs=seq_max_k2",
+               "algorithm.rollout_rs_threshold=0.045"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTION_RUNS))
+def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
+    """Guards against a correction that breaks learning, or one that is configured but never applied: the engine's
+    log-probs come back with Gaussian noise (std 0.1, so the mismatch KL is about 0.1^2 / 2 = 5e-3 per token, under
+    the guard) for the corrections to act on. The demo must learn in 20 steps on 2 ranks, the measured mismatch
+    must be the injected one in every modality, and the corrections must show in their metrics."""
+    rows, log = _demo_run(tmp_path, tiny_model_dir, "noise", "actor.lr=3e-3", *CORRECTION_RUNS[name], steps=20, rows=96)
+    assert rows is not None, log[-3000:]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    first = sum(r["reward/overall"] for r in rows[:5]) / 5
+    last = sum(r["reward/overall"] for r in rows[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    for r in rows:
+        for m in ("text", "image"):
+            assert 3e-3 < r[f"rollout/mismatch_kl/{m}"] < 8e-3, r
+        assert 0 < r["rollout/rs_rejected_token_frac"] < 0.5 and 0 < r["rollout/rs_rejected_seq_frac"] < 0.5, r
+        if name != "bypass":
+            assert 0.5 < r["rollout/is_weight_mean"] < 1.5 and 0 < r["rollout/is_ess"] <= 1, r
+    if name == "token":  # IcePop zeroes the tokens whose weight leaves [0.5, 2]: |noise| > 0.69, ~5e-12 of them
+        assert all(r["rollout/is_clipped_frac"] < 0.01 for r in rows)
+    if name == "sequence":  # sequence weights spread with the summed noise: some are truncated at 2
+        assert all(0 < r["rollout/is_clipped_frac"] < 0.5 and r["rollout/is_ess"] < 0.99 for r in rows)
