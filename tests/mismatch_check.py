@@ -4,7 +4,7 @@ Usage: torchrun --nproc_per_node=2 tests/mismatch_check.py FAULT CONFIG [key=val
   none         the engine as configured
   blank_image  rank 0's first prompt with images reaches the engine with blank images (the trainer keeps them):
                images dropped on the way to the engine, as in the field's silent failures
-  noise        the engine's log-probs come back with Gaussian noise (std 0.3): a mismatch for the corrections
+  noise        the engine's log-probs come back with Gaussian noise (std 0.1): a mismatch for the corrections
 """
 
 import dataclasses
@@ -39,7 +39,7 @@ def faulty(engine_class, fault):
             if fault == "noise":
                 g = torch.Generator().manual_seed(seed)
                 for s in samples:
-                    s.logprobs = (torch.tensor(s.logprobs) + 0.3 * torch.randn(len(s.logprobs), generator=g)).tolist()
+                    s.logprobs = (torch.tensor(s.logprobs) + 0.1 * torch.randn(len(s.logprobs), generator=g)).tolist()
             return samples
 
     return Faulty
