@@ -26,7 +26,8 @@ This file holds the config, the GRPO math as pure functions, the phases of a ste
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
 (micro-batch planning and rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
-backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan).
+backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
+mismatch.py (engine/trainer mismatch: measured per modality, a guard at the start, verl's corrections).
 """
 
 from __future__ import annotations
@@ -1138,7 +1139,7 @@ def main(argv=None):
         old_logps, ref_logps = compute_old_and_ref_logprobs(
             model, ref_model, prompts, samples, cfg, ids, need_old or guard
         )
-        if guard:  # collective; stops every rank when a modality's engine saw other prompts than the trainer
+        if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts
             mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard)
         old_logps = mismatch.engine_logps(samples) if cfg.algorithm.rollout_bypass else old_logps if need_old else None
         timings["time/logprobs"] = time.perf_counter() - t0
