@@ -215,10 +215,11 @@ def config_problem(alg) -> str | None:
 
 def measure(trainer_logp, engine_logp, mask, kinds, stats) -> None:
     """Add one micro-batch's gap to `stats` (STATS keys), per modality; `kinds` (B,) names each row's modality."""
-    mask = mask.to(trainer_logp.dtype)
-    x = (trainer_logp - engine_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T), log(p_trainer / p_engine)
+    # float64: in fp32, exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0
+    mask = mask.to(torch.float64)
+    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T), log(p_tr / p_en)
     diff = x.abs() * mask  # (B, T)
-    kl = (x.exp() - 1 - x) * mask  # (B, T), k3 of KL(engine || trainer) on the engine's samples
+    kl = (torch.expm1(x) - x) * mask  # (B, T), k3 of KL(engine || trainer) on the engine's samples
     rows = torch.tensor([MODALITIES.index(k) for k in kinds], device=mask.device)  # (B,)
     onehot = torch.nn.functional.one_hot(rows, len(MODALITIES)).to(mask.dtype)  # (B, M)
     sums = onehot.T @ torch.stack([mask.sum(-1), diff.sum(-1), kl.sum(-1)], 1)  # (M, 3)
@@ -324,9 +325,9 @@ def check_start(old_logps, samples, prompts, bound) -> None:
         kind = modality(prompts[s.prompt_index])
         engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
         measure(logp[None], engine[None], torch.ones_like(engine)[None], [kind], stats)
-        x = (logp - engine).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
+        x = (logp.double() - engine.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
         group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
-        group[1], group[2] = group[1] + (x.exp() - 1 - x).sum().item(), group[2] + len(x)
+        group[1], group[2] = group[1] + (torch.expm1(x) - x).sum().item(), group[2] + len(x)
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens in groups.values():
         i = MODALITIES.index(kind)
