@@ -7,8 +7,8 @@ hours on a falling reward without an error. So this module
  - measures the gap every step, for text-only, image and video samples apart: mean and max |log p_trainer -
    log p_engine| and the mismatch KL, the k3 estimate of KL(engine || trainer) from the engine's samples
    (http://joschu.net/blog/kl-approx.html), token-mean;
- - stops the run at its first step (and the first after a resume) when a modality's mismatch KL is beyond what
-   arithmetic explains (algorithm.mismatch_guard);
+ - stops the run at its first step (and the first after a resume) when the mismatch KL of a prompt's answers is
+   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality;
  - corrects what remains as verl 0.9 does (verl/trainer/ppo/rollout_corr_helper.py), on log_ratio = old_logp -
    rollout_logp: importance weights per token or per sequence, truncated at a bound (TIS,
    https://fengyao.notion.site/off-policy-rl) or zeroed outside a range (IcePop), and rejection of the tokens or
@@ -314,7 +314,7 @@ CAUSES = (
 )
 
 
-def check_start(old_logps, samples, prompts, bound) -> None:
+def check_start(old_logps, samples, prompts, bound, step) -> None:
     """The guard of a run's first step (and the first after a resume): print each modality's mismatch, and stop
     every rank with a message when a prompt's answers together have a mismatch KL above `bound`
     (algorithm.mismatch_guard). Per prompt, not only per modality: one prompt whose image was lost among a hundred
@@ -336,12 +336,12 @@ def check_start(old_logps, samples, prompts, bound) -> None:
     metrics = _gap_metrics(_over_ranks(stats))
     present = [(m, metrics[f"rollout/mismatch_kl/{m}"], w) for m, w in zip(MODALITIES, worst.tolist())
                if f"rollout/mismatch_kl/{m}" in metrics]  # fmt: skip
-    print0("mismatch KL at the start (all samples / worst prompt): "
+    print0(f"mismatch KL at step {step} (all samples / worst prompt): "
            + ", ".join(f"{m} {kl:.2g} / {w:.2g}" for m, kl, w in present) + f"; guard {bound:g}")  # fmt: skip
     for m, kl, w in present:
         if w > bound:
             raise SystemExit(
-                f"engine/trainer mismatch: the {m} samples of the first step have a mismatch KL of {w:.3g} for "
+                f"engine/trainer mismatch: the {m} samples of step {step} have a mismatch KL of {w:.3g} for "
                 f"their worst prompt ({kl:.3g} over all of them), above algorithm.mismatch_guard={bound:g}, which "
                 f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
                 f"algorithm.mismatch_guard, or 0 turns this check off."

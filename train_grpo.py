@@ -1140,7 +1140,7 @@ def main(argv=None):
             model, ref_model, prompts, samples, cfg, ids, need_old or guard
         )
         if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts
-            mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard)
+            mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard, step)
         old_logps = mismatch.engine_logps(samples) if cfg.algorithm.rollout_bypass else old_logps if need_old else None
         timings["time/logprobs"] = time.perf_counter() - t0
 

@@ -230,16 +230,19 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     """Guards against the silent failure of VLM RL runs: the engine samples a prompt whose image it never saw
     (here one prompt of rank 0 gets a blank image), the trainer scores it with the image, and the run trains on.
     The guard must stop it at step 1 naming the modality, the figure and the bound; the same run without the fault
-    must pass the guard and log every modality's mismatch."""
+    must pass the guard and log every modality's mismatch; and a resume of that run with the fault must be stopped
+    at its first step, step 2."""
     rows, log = _demo_run(tmp_path / "fault", tiny_model_dir, "blank_image", "trainer.max_steps=1")
     assert rows is None, log[-3000:]
-    assert "the image samples of the first step have a mismatch KL of" in log, log[-3000:]
+    assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
     assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
-    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.max_steps=1")
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.save_freq=1", steps=1)
     assert rows is not None, log[-3000:]
     (row,) = rows
     assert row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
     assert "rollout/mismatch_kl/video" not in row
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "blank_image", steps=2)
+    assert rows is None and "the image samples of step 2 have a mismatch KL of" in log, log[-3000:]
 
 
 CORRECTION_RUNS = {
