@@ -26,7 +26,8 @@ This file holds the config, the GRPO math as pure functions, the phases of a ste
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
 (micro-batch planning and rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
-backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan).
+backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
+mismatch.py (engine/trainer mismatch: measured per modality, a guard at the start, verl's corrections).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import mismatch
 import rollout
 from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
 from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
+from mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
 from models import (
     OWN_PACKED_ATTENTION,
     PACKED_ATTENTION,
@@ -112,7 +115,13 @@ class AlgorithmConfig:
     kl_penalty: str = "low_var_kl"  # see KL_PENALTIES: k1, k2, low_var_kl
     adv_eps: float = 1e-6  # added to the group std
     kl_in_reward: bool = False  # subtract kl_coef x KL from the reward (PPO-style) instead of adding a loss term
-    tis_cap: float = 0.0  # truncated importance sampling of the engine/trainer mismatch, cap of the weight; 0 = off
+    tis_cap: float = 0.0  # the same as rollout_is=token with rollout_is_threshold=tis_cap; 0 = off
+    rollout_is: str = "none"  # weights p_trainer / p_engine against the engine mismatch (mismatch.py): token, sequence
+    rollout_is_threshold: str = "2.0"  # a number truncates the weights (TIS); "lower_upper" zeroes outside (IcePop)
+    rollout_rs: str = ""  # reject tokens/sequences too far off the engine: comma list of mismatch.RS_MODES; "" = off
+    rollout_rs_threshold: str = ""  # one for all modes or one per mode; "lower_upper" ratio bounds for the k1 modes
+    rollout_bypass: bool = False  # the engine's log-probs are the old ones: no old-log-prob forward
+    mismatch_guard: float = 0.01  # stop at the first step if a prompt's mismatch KL passes it (mismatch.py); 0 = off
     online_filtering: bool = False  # DAPO dynamic sampling: drop prompt groups whose mean filter_key is out of bounds
     filter_key: str = "accuracy"  # reward key the filter looks at
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
@@ -287,7 +296,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if not sep or dotted.count(".") != 1:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         section, key = dotted.split(".")
-        _apply(cfg, section, key, yaml.safe_load(raw) if raw else "")
+        value = yaml.safe_load(raw) if raw else ""
+        _apply(cfg, section, key, raw if isinstance(value, (int, float)) and "_" in raw else value)  # YAML: 1_2 = 12
     return cfg
 
 
@@ -388,6 +398,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(problem)
     if r.sleep_level not in (0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
+    if problem := mismatch.config_problem(cfg.algorithm):
+        raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
 
@@ -539,13 +551,6 @@ def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_du
     Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
     """
     return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
-
-
-def tis_weights(old_logp, rollout_logp, cap):
-    """Truncated importance sampling (https://fengyao.notion.site/off-policy-rl): the rollout engine samples from a
-    slightly different distribution than the trainer computes; weight each token by min(p_trainer / p_engine, cap).
-    (B, T) -> (B, T), no gradient."""
-    return torch.exp((old_logp - rollout_logp).clamp(-20, 20)).clamp(max=cap).detach()
 
 
 def overlong_penalty(lengths, max_length, buffer, factor):
@@ -815,18 +820,15 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
             engine_logp = _stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
-            diff = (engine_logp - old).abs() * mask  # (B, T)
-            stats["rollout/logprob_diff_sum"] += diff.sum().item()
-            stats["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"], diff.max().item())
+            trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
+            kinds = [mismatch.modality(prompts[samples[i].prompt_index]) for i in mb]
+            mask, weights = mismatch.measure_and_correct(trainer_logp, engine_logp, mask, kinds, cfg.algorithm, stats)
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
             pg, clipped = policy_loss(
                 logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
             )
-            if cfg.algorithm.tis_cap > 0:
-                weights = tis_weights(old, engine_logp, cfg.algorithm.tis_cap)  # (B, T)
+            if weights is not None:  # importance weights against the engine/trainer mismatch
                 pg = pg * weights
-                stats["rollout/tis_weight_sum"] += (weights * mask).sum().item()
-                stats["rollout/tis_capped_sum"] += ((weights >= cfg.algorithm.tis_cap).float() * mask).sum().item()
             agg = {"mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
                    "horizon": cfg.data.max_response_length}  # fmt: skip
             pg_term = aggregate_loss(pg, mask, **agg)
@@ -912,10 +914,7 @@ UPDATE_STATS = (
     "actor/optimizer_steps",
     "actor/micro_batches",
     "actor/moved_sequences",
-    "rollout/logprob_diff_sum",
-    "rollout/logprob_diff_max",
-    "rollout/tis_weight_sum",
-    "rollout/tis_capped_sum",
+    *mismatch.STATS,
 )
 
 
@@ -972,7 +971,7 @@ def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
 def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer):
     """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
     loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
-    world, a = dist.get_world_size(), cfg.actor
+    world = dist.get_world_size()
     _, prompts, samples, results, filter_stats = batch
     n_updates = stats["actor/optimizer_steps"]
     lengths = [len(s.response_ids) for s in samples]
@@ -989,10 +988,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
-    # |engine - trainer| log-prob of the sampled tokens, per response token of the whole batch
-    diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
-    metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
-    metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
+    metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
     # answers whose grading hit reward.timeout this step, all ranks together
     timeouts = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step")}
     metrics.update(mean_over_ranks(timeouts, {"reward/timeouts_step": 1.0 / world}))
@@ -1000,10 +996,6 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
         rounds = filter_stats.pop("rollout/filter_rounds")
         metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
         metrics["rollout/filter_rounds"] = rounds
-    if cfg.algorithm.tis_cap > 0:
-        tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
-        tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))
-        metrics.update({"rollout/tis_weight_mean": tis["weight"], "rollout/tis_capped_frac": tis["capped"]})
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
     tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
@@ -1106,6 +1098,7 @@ def main(argv=None):
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < cfg.data.rollout_batch_size or cfg.algorithm.kl_in_reward
+    need_old = need_old and not cfg.algorithm.rollout_bypass  # bypass: the engine's log-probs are the old ones
 
     step, epoch, position, stop_signum = 0, 0, 0, 0
     checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
@@ -1113,6 +1106,7 @@ def main(argv=None):
         step, epoch, position = load_checkpoint(checkpoint, model, optimizer, scheduler, scorer, cfg)
     # steps after the checkpoint are about to be rerun; a fresh run into an old output_dir starts a fresh file
     logger.drop_steps_after(step if checkpoint else -1)
+    guard_step = step + 1 if cfg.algorithm.mismatch_guard > 0 else 0  # the first step of a run or of its resume
     stop = StopSignal()  # from here on SIGTERM/SIGINT finish the step, save and exit
     if val_set is not None and cfg.trainer.val_before_train and step == 0:
         logger.log(0, run_validation(engine, model, val_set, processor, scorer, cfg, logger))
@@ -1140,7 +1134,13 @@ def main(argv=None):
 
         # ------------------------------------------------------------------------------------ old/ref log-probs
         t0 = time.perf_counter()
-        old_logps, ref_logps = compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old)
+        guard = step == guard_step  # the guard compares the trainer's log-probs with the engine's: it needs them
+        old_logps, ref_logps = compute_old_and_ref_logprobs(
+            model, ref_model, prompts, samples, cfg, ids, need_old or guard
+        )
+        if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts
+            mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard, step)
+        old_logps = mismatch.engine_logps(samples) if cfg.algorithm.rollout_bypass else old_logps if need_old else None
         timings["time/logprobs"] = time.perf_counter() - t0
 
         # -------------------------------------------------------------------------------------------- advantage

@@ -89,10 +89,7 @@ def main():
     models.root_forward(model, processor.tokenizer.pad_token_id)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    stats = dict.fromkeys(["actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
-                           "actor/optimizer_steps", "actor/micro_batches", "actor/moved_sequences",
-                           "rollout/logprob_diff_sum", "rollout/logprob_diff_max"],
-                          0.0)  # fmt: skip
+    stats = dict.fromkeys(train_grpo.UPDATE_STATS, 0.0)
     model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
     train_grpo.update_policy(model, optimizer, scheduler, local_samples, local_prompts, advantages[mine], None,

@@ -12,7 +12,7 @@ from train_grpo import (
     kl_penalty,
     overlong_penalty,
     policy_loss,
-    tis_weights,
+    rollout_is_weights,
 )
 
 
@@ -93,7 +93,7 @@ def test_tis_weights_are_capped_ratios():
     """Guards against an uncapped (exploding) importance weight or a flipped ratio."""
     old = torch.tensor([[-1.0, -1.0, -5.0]])
     rollout = torch.tensor([[-1.0, -2.0, -1.0]])
-    w = tis_weights(old, rollout, cap=2.0)
+    w = rollout_is_weights(old - rollout, torch.ones_like(old), "token", 2.0)  # what algorithm.tis_cap=2 applies
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, math.exp(-4.0)]]))
 
 

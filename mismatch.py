@@ -1,0 +1,358 @@
+"""Engine/trainer mismatch: measure it per modality, stop a run whose engine saw other prompts, correct the rest.
+
+The rollout engine samples with its own kernels (vLLM; bf16 on GPU), so its log-prob of a sampled token is not
+exactly the trainer's. Some gap is normal arithmetic; a gross one means the engine did not see the prompt the
+trainer scores (images dropped on the way, a prompt expanded twice, other pixel bounds), and such a run trains for
+hours on a falling reward without an error. So this module
+ - measures the gap every step, for text-only, image and video samples apart: mean and max |log p_trainer -
+   log p_engine| and the mismatch KL, the k3 estimate of KL(engine || trainer) from the engine's samples
+   (http://joschu.net/blog/kl-approx.html), token-mean;
+ - stops the run at its first step (and the first after a resume) when the mismatch KL of a prompt's answers is
+   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality;
+ - corrects what remains as verl 0.9 does (verl/trainer/ppo/rollout_corr_helper.py), on log_ratio = old_logp -
+   rollout_logp: importance weights per token or per sequence, truncated at a bound (TIS,
+   https://fengyao.notion.site/off-policy-rl) or zeroed outside a range (IcePop), and rejection of the tokens or
+   whole sequences whose divergence passes a threshold.
+Tensors are (B, T) response positions with a (B, T) mask of real tokens, as in train_grpo.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from runtime import print0
+
+SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
+MODALITIES = ("text", "image", "video")  # a sample with a video counts as video, one with images as image
+IS_LEVELS = ("none", "token", "sequence")
+RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+            "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # fmt: skip
+
+# Running sums (and maxima, `*_max`) of one step, kept in train_grpo.update_policy's stats: every rank has every key,
+# so the reductions over ranks line up whichever modalities a rank holds
+STATS = (
+    *(f"mismatch/{m}/{k}" for m in MODALITIES for k in ("tokens", "diff_sum", "kl_sum", "diff_max")),
+    "mismatch/seqs",
+    "mismatch/rs_tokens",
+    "mismatch/rs_seqs",
+    "mismatch/is_sum",
+    "mismatch/is_sq_sum",
+    "mismatch/is_clipped",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Thresholds, as verl writes them: a number, or "lower_upper"
+
+
+def parse_is_threshold(spec) -> tuple[float | None, float]:
+    """rollout_is_threshold -> (lower or None, upper): a number truncates the weight at it (TIS), "lower_upper"
+    zeroes weights outside [lower, upper] (IcePop)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"expected a number or a 'lower_upper' string, got {spec!r}")
+    text = str(spec).strip()
+    lower, sep, upper = text.partition("_") if "_" in text else ("", "", text)
+    try:
+        lower, upper = (float(lower) if sep else None), float(upper)
+    except ValueError:
+        raise ValueError(f"expected a number or a 'lower_upper' string, got {spec!r}") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"bounds must be positive with lower <= upper, got {spec!r}")
+    return lower, upper
+
+
+def rs_modes(modes: str) -> list[str]:
+    """A comma list of RS_MODES -> the modes, each once, in order ("" or "none": no rejection)."""
+    out = []
+    for mode in (m.strip() for m in modes.split(",")):
+        if mode and mode != "none" and mode not in out:
+            if mode not in RS_MODES:
+                raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(RS_MODES)}")
+            out.append(mode)
+    return out
+
+
+def parse_rs_thresholds(modes: list[str], spec) -> list[tuple[float | None, float]]:
+    """rollout_rs_threshold for `modes` -> one (lower or None, upper) per mode. One entry for all modes or one per
+    mode, comma separated. The k1 modes bound the probability ratio: "lower_upper", or a lone u meaning [1/u, u];
+    the k2/k3 modes take an upper bound only."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ValueError(f"expected numbers or 'lower_upper' strings, got {spec!r}")
+    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if len(parts) not in (1, len(modes)):
+        raise ValueError(f"{len(parts)} thresholds for {len(modes)} modes {modes}: give one for all or one per mode")
+    out = []
+    for mode, part in zip(modes, parts * len(modes) if len(parts) == 1 else parts):
+        try:
+            lower, upper = parse_is_threshold(part)
+        except ValueError:
+            raise ValueError(f"{mode}: threshold {part!r} must be positive (lower <= upper for lower_upper)") from None
+        if mode.endswith("k1"):
+            lower = 1.0 / upper if lower is None else lower
+        elif lower is not None:
+            raise ValueError(f"{mode} takes an upper bound only, got {part!r}")
+        out.append((lower, upper))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The corrections: pure functions, no gradient, padding 0
+
+
+def _masked_sum(values, mask):
+    # where() rather than a product: whatever sits in the padding (inf, NaN) stays out of the sum
+    return torch.where(mask.bool(), values, torch.zeros_like(values)).sum(-1)  # (B,)
+
+
+def _masked_max(values, mask):
+    top = values.masked_fill(~mask.bool(), float("-inf")).max(-1).values  # (B,)
+    return torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # a sequence without tokens: 0
+
+
+SEQ_REDUCE = {
+    "sum": _masked_sum,
+    "mean": lambda values, mask: _masked_sum(values, mask) / (mask.sum(-1) + 1e-8),
+    "max": _masked_max,
+}
+
+
+@torch.no_grad()
+def rollout_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold) -> torch.Tensor:
+    """Importance weights p_trainer / p_engine of the sampled tokens, (B, T) -> (B, T), 0 on padding.
+
+    level "token": a weight per token; "sequence": every token gets its sequence's weight, the exponential of the
+    sum of its log ratios (unbiased, high variance). threshold: a number truncates weights at it (TIS); a
+    "lower_upper" string zeroes the weights outside [lower, upper] (IcePop). Log ratios are clamped to +-20 before
+    the exponential. The values of verl 0.9's compute_rollout_correction_weights without batch normalisation."""
+    lower, upper = parse_is_threshold(threshold)
+    if level == "token":
+        log_w = log_ratio  # (B, T)
+    elif level == "sequence":
+        log_w = _masked_sum(log_ratio, mask).unsqueeze(-1).expand_as(log_ratio)  # (B, T)
+    else:
+        raise ValueError(f"rollout_is level {level!r}; valid: token, sequence")
+    w = log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()  # (B, T)
+    w = torch.where(mask.bool(), w, torch.zeros_like(w))
+    if lower is None:
+        return w.clamp(max=upper)
+    return torch.where((w >= lower) & (w <= upper), w, torch.zeros_like(w))
+
+
+@torch.no_grad()
+def rollout_rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, modes: str, thresholds) -> torch.Tensor:
+    """`mask` (B, T) with the rejected tokens set to 0: the tokens, or every token of the sequences, whose divergence
+    between trainer and engine passes its threshold. Every mode of the comma list `modes` must pass.
+
+    With x = log_ratio clamped to +-20: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x. token_kN judges each token;
+    seq_sum_kN, seq_mean_kN and seq_max_kN (k2, k3) the sum, mean or max over the sequence's tokens, and keep or
+    drop the whole sequence. k1 modes keep log(lower) <= statistic <= log(upper); k2/k3 modes keep statistic <=
+    upper. `thresholds` as parse_rs_thresholds takes them. The mask of verl 0.9's compute_rollout_rejection_mask."""
+    names = rs_modes(modes)
+    if not names:
+        raise ValueError("rollout_rejection_mask needs at least one mode")
+    bounds = parse_rs_thresholds(names, thresholds)
+    x = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T)
+    divergence = {"k1": -x, "k2": 0.5 * x.square(), "k3": x.exp() - 1 - x}  # each (B, T)
+    keep = torch.ones_like(mask, dtype=torch.bool)  # (B, T)
+    for name, (lower, upper) in zip(names, bounds):
+        level, kind = name.rsplit("_", 1)
+        stat = divergence[kind]  # (B, T)
+        if level != "token":
+            stat = SEQ_REDUCE[level.split("_")[1]](stat, mask).unsqueeze(-1).expand_as(stat)  # (B, T)
+        if kind == "k1":
+            keep &= (stat >= math.log(lower)) & (stat <= math.log(upper))
+        else:
+            keep &= stat <= upper
+    return (mask * keep).to(mask.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The measure, the guard and the step's corrections
+
+
+def modality(prompt) -> str:
+    """Which of MODALITIES a prompt's samples count under, from what the trainer's model sees of it."""
+    if getattr(prompt, "video_grid_thw", None) is not None:
+        return "video"
+    return "image" if getattr(prompt, "image_grid_thw", None) is not None else "text"
+
+
+def is_setting(alg) -> tuple[str, str | float]:
+    """The importance-weight level and threshold in force: algorithm.tis_cap > 0 is rollout_is=token at that cap."""
+    return ("token", alg.tis_cap) if alg.tis_cap > 0 else (alg.rollout_is, alg.rollout_is_threshold)
+
+
+def config_problem(alg) -> str | None:
+    """What is wrong with the algorithm.rollout_* / mismatch_guard / tis_cap settings, or None."""
+    if alg.rollout_is not in IS_LEVELS:
+        return f"algorithm.rollout_is={alg.rollout_is!r}; valid: {', '.join(IS_LEVELS)}"
+    if alg.tis_cap < 0 or (alg.tis_cap > 0 and alg.rollout_is != "none"):
+        return f"algorithm.tis_cap={alg.tis_cap} is rollout_is=token at that cap: set it to 0 with rollout_is, or >= 0"
+    if alg.mismatch_guard < 0:
+        return f"algorithm.mismatch_guard={alg.mismatch_guard} must be >= 0 (0 turns the start check off)"
+    level, threshold = is_setting(alg)
+    if alg.rollout_bypass and level != "none":
+        return (
+            "algorithm.rollout_bypass makes the PPO ratio p_policy / p_engine, which corrects the mismatch already: "
+            "importance weights (rollout_is, tis_cap) on top would count it twice; use rollout_rs with it"
+        )
+    try:
+        if level != "none":
+            parse_is_threshold(threshold)
+    except ValueError as e:
+        return f"algorithm.rollout_is_threshold={threshold!r}: {e}"
+    try:
+        modes = rs_modes(alg.rollout_rs)
+        if modes:
+            parse_rs_thresholds(modes, alg.rollout_rs_threshold)
+    except ValueError as e:
+        return f"algorithm.rollout_rs={alg.rollout_rs!r} with rollout_rs_threshold={alg.rollout_rs_threshold!r}: {e}"
+    return None
+
+
+def measure(trainer_logp, engine_logp, mask, kinds, stats) -> None:
+    """Add one micro-batch's gap to `stats` (STATS keys), per modality; `kinds` (B,) names each row's modality."""
+    # float64: in fp32, exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0
+    mask = mask.to(torch.float64)
+    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T), log(p_tr / p_en)
+    diff = x.abs() * mask  # (B, T)
+    kl = (torch.expm1(x) - x) * mask  # (B, T), k3 of KL(engine || trainer) on the engine's samples
+    rows = torch.tensor([MODALITIES.index(k) for k in kinds], device=mask.device)  # (B,)
+    onehot = torch.nn.functional.one_hot(rows, len(MODALITIES)).to(mask.dtype)  # (B, M)
+    sums = onehot.T @ torch.stack([mask.sum(-1), diff.sum(-1), kl.sum(-1)], 1)  # (M, 3)
+    maxes = (diff.max(-1).values[:, None] * onehot).max(0).values  # (M,), |diff| >= 0: 0 where a modality is absent
+    # one transfer for the lot: an .item() per row and figure would stall a GPU once each
+    for m, (tokens, diff_sum, kl_sum), top in zip(MODALITIES, sums.tolist(), maxes.tolist()):
+        stats[f"mismatch/{m}/tokens"] += tokens
+        stats[f"mismatch/{m}/diff_sum"] += diff_sum
+        stats[f"mismatch/{m}/kl_sum"] += kl_sum
+        stats[f"mismatch/{m}/diff_max"] = max(stats[f"mismatch/{m}/diff_max"], top)
+    stats["mismatch/seqs"] += (mask.sum(-1) > 0).sum().item()
+
+
+def measure_and_correct(trainer_logp, engine_logp, mask, kinds, alg, stats):
+    """One micro-batch: measure the gap, then the corrections algorithm.rollout_* asks for. Returns the loss mask
+    without the rejected tokens (B, T) and the importance weights (B, T), or None without them."""
+    measure(trainer_logp, engine_logp, mask, kinds, stats)
+    log_ratio = trainer_logp - engine_logp  # (B, T)
+    level, threshold = is_setting(alg)
+    weights = None
+    if level != "none":  # from the whole mask, as verl: a sequence's weight counts its rejected tokens too
+        weights = rollout_is_weights(log_ratio, mask, level, threshold)  # (B, T)
+        lower, upper = parse_is_threshold(threshold)
+        raw = log_ratio if level == "token" else _masked_sum(log_ratio, mask).unsqueeze(-1).expand_as(log_ratio)
+        out = raw > math.log(upper)  # (B, T): weights truncated (TIS) or zeroed (IcePop)
+        if lower is not None:
+            out |= raw < math.log(lower)
+        stats["mismatch/is_sum"] += (weights * mask).sum().item()
+        stats["mismatch/is_sq_sum"] += (weights.square() * mask).sum().item()
+        stats["mismatch/is_clipped"] += (out * mask).sum().item()
+    if rs_modes(alg.rollout_rs):
+        kept = rollout_rejection_mask(log_ratio, mask, alg.rollout_rs, alg.rollout_rs_threshold)  # (B, T)
+        stats["mismatch/rs_tokens"] += (mask.sum() - kept.sum()).item()
+        stats["mismatch/rs_seqs"] += (kept.sum(-1) < mask.sum(-1)).sum().item()
+        mask = kept
+    return mask, weights
+
+
+def _over_ranks(stats) -> dict[str, float]:
+    """STATS summed (maxima: the max) over ranks. Collective: one SUM and one MAX all_reduce, which every rank makes
+    with every key, whichever modalities it holds."""
+    sum_keys = [k for k in STATS if not k.endswith("_max")]
+    max_keys = [k for k in STATS if k.endswith("_max")]
+    sums = torch.tensor([float(stats[k]) for k in sum_keys], dtype=torch.float64)
+    maxes = torch.tensor([float(stats[k]) for k in max_keys], dtype=torch.float64)
+    dist.all_reduce(sums)
+    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    return dict(zip(sum_keys, sums.tolist())) | dict(zip(max_keys, maxes.tolist()))
+
+
+def _gap_metrics(total) -> dict[str, float]:
+    # the whole batch's keys, as logged before the split by modality; a modality no rank had is left out, not 0
+    tokens = sum(total[f"mismatch/{m}/tokens"] for m in MODALITIES)
+    metrics = {
+        "rollout/logprob_diff_mean": sum(total[f"mismatch/{m}/diff_sum"] for m in MODALITIES) / max(tokens, 1),
+        "rollout/logprob_diff_max": max(total[f"mismatch/{m}/diff_max"] for m in MODALITIES),
+        "rollout/mismatch_kl": sum(total[f"mismatch/{m}/kl_sum"] for m in MODALITIES) / max(tokens, 1),
+    }
+    for m in MODALITIES:
+        n = total[f"mismatch/{m}/tokens"]
+        if n > 0:
+            metrics[f"rollout/logprob_diff_mean/{m}"] = total[f"mismatch/{m}/diff_sum"] / n
+            metrics[f"rollout/logprob_diff_max/{m}"] = total[f"mismatch/{m}/diff_max"]
+            metrics[f"rollout/mismatch_kl/{m}"] = total[f"mismatch/{m}/kl_sum"] / n
+    return metrics
+
+
+def step_metrics(stats, alg) -> dict[str, float]:
+    """The step's mismatch and correction metrics over all ranks (collective, _over_ranks)."""
+    total = _over_ranks(stats)
+    metrics = _gap_metrics(total)
+    tokens = max(sum(total[f"mismatch/{m}/tokens"] for m in MODALITIES), 1)
+    if rs_modes(alg.rollout_rs):
+        metrics["rollout/rs_rejected_token_frac"] = total["mismatch/rs_tokens"] / tokens
+        metrics["rollout/rs_rejected_seq_frac"] = total["mismatch/rs_seqs"] / max(total["mismatch/seqs"], 1)
+    if is_setting(alg)[0] != "none":
+        w_sum, w_sq = total["mismatch/is_sum"], total["mismatch/is_sq_sum"]
+        metrics["rollout/is_weight_mean"] = w_sum / tokens
+        # effective sample size as a share of the tokens, verl's: mean(w)^2 / mean(w^2), 1 when all weights agree
+        metrics["rollout/is_ess"] = w_sum**2 / (tokens * w_sq) if w_sq > 0 else 0.0
+        metrics["rollout/is_clipped_frac"] = total["mismatch/is_clipped"] / tokens
+        if alg.tis_cap > 0:  # the names tis_cap logged before rollout_is existed
+            metrics["rollout/tis_weight_mean"] = metrics["rollout/is_weight_mean"]
+            metrics["rollout/tis_capped_frac"] = metrics["rollout/is_clipped_frac"]
+    return metrics
+
+
+CAUSES = (
+    "The engine did not see the prompts the trainer scores: images or videos dropped or replaced on the way to "
+    "the engine, a prompt expanded twice, other pixel bounds on the two sides (data.min_pixels/max_pixels), "
+    "M-RoPE positions computed from other grids, or weights the engine never received."
+)
+
+
+def check_start(old_logps, samples, prompts, bound, step) -> None:
+    """The guard of a run's first step (and the first after a resume): print each modality's mismatch, and stop
+    every rank with a message when a prompt's answers together have a mismatch KL above `bound`
+    (algorithm.mismatch_guard). Per prompt, not only per modality: one prompt whose image was lost among a hundred
+    good ones moves the modality's mean by a hundredth. `old_logps` are the trainer's per-sample log-probs under the
+    weights that sampled. Collective: every rank decides on the same reduced figures."""
+    stats, groups = dict.fromkeys(STATS, 0.0), {}
+    for logp, s in zip(old_logps, samples):
+        kind = modality(prompts[s.prompt_index])
+        engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
+        measure(logp[None], engine[None], torch.ones_like(engine)[None], [kind], stats)
+        x = (logp.double() - engine.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
+        group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
+        group[1], group[2] = group[1] + (torch.expm1(x) - x).sum().item(), group[2] + len(x)
+    worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
+    for kind, kl_sum, tokens in groups.values():
+        i = MODALITIES.index(kind)
+        worst[i] = max(worst[i].item(), kl_sum / max(tokens, 1))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    metrics = _gap_metrics(_over_ranks(stats))
+    present = [(m, metrics[f"rollout/mismatch_kl/{m}"], w) for m, w in zip(MODALITIES, worst.tolist())
+               if f"rollout/mismatch_kl/{m}" in metrics]  # fmt: skip
+    print0(f"mismatch KL at step {step} (all samples / worst prompt): "
+           + ", ".join(f"{m} {kl:.2g} / {w:.2g}" for m, kl, w in present) + f"; guard {bound:g}")  # fmt: skip
+    for m, kl, w in present:
+        if w > bound:
+            raise SystemExit(
+                f"engine/trainer mismatch: the {m} samples of step {step} have a mismatch KL of {w:.3g} for "
+                f"their worst prompt ({kl:.3g} over all of them), above algorithm.mismatch_guard={bound:g}, which "
+                f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
+                f"algorithm.mismatch_guard, or 0 turns this check off."
+            )
+
+
+def engine_logps(samples) -> list[torch.Tensor]:
+    """algorithm.rollout_bypass: the engine's log-probs of each sample, to serve as the old ones."""
+    if any(s.logprobs is None or len(s.logprobs) != len(s.response_ids) for s in samples):
+        raise RuntimeError(
+            "algorithm.rollout_bypass=true takes the engine's log-probs as the old ones, but the engine returned "
+            "none for some samples: set rollout_bypass=false (the trainer then computes the old log-probs)"
+        )
+    return [torch.tensor(s.logprobs, dtype=torch.float32) for s in samples]

@@ -1,0 +1,286 @@
+"""The engine/trainer mismatch (mismatch.py): the corrections against hand computations and edge cases, the
+per-modality measure, the config checks, and under torchrun the start guard and runs with each correction on."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import train_grpo
+from mismatch import STATS, _gap_metrics, measure, modality, parse_rs_thresholds
+
+E = math.exp
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_corrections_resolve_in_train_grpo():
+    """Guards against the public names moving: checks outside the repo call them as train_grpo attributes."""
+    assert train_grpo.rollout_is_weights(_t([[0.0]]), _t([[1.0]]), "token", 2.0).item() == 1.0
+    assert train_grpo.rollout_rejection_mask(_t([[5.0]]), _t([[1.0]]), "token_k2", 1.0).item() == 0.0
+
+
+def test_token_weights_truncate_clamp_and_zero_the_padding():
+    """Guards against an uncapped weight, a weight on padding (even a NaN there), an exp() that overflows past the
+    +-20 clamp, and a gradient through the weights."""
+    log_ratio = _t([[0.0, math.log(3), -1.0, float("nan")], [30.0, -30.0, 0.5, 0.0]]).requires_grad_()
+    mask = _t([[1, 1, 1, 0], [1, 1, 1, 0]])
+    w = train_grpo.rollout_is_weights(log_ratio, mask, "token", 2.0)
+    torch.testing.assert_close(w, _t([[1.0, 2.0, E(-1), 0.0], [2.0, E(-20), E(0.5), 0.0]]))
+    assert not w.requires_grad
+    big = train_grpo.rollout_is_weights(log_ratio.detach(), mask, "token", 1e12)
+    assert big[1, 0].item() == pytest.approx(E(20), rel=1e-6)  # clamped at +20, not inf
+
+
+def test_sequence_weights_are_the_exp_of_the_summed_log_ratios():
+    """Guards against a sequence weight taken per token, from padding, or without the clamp on the sum."""
+    log_ratio = _t([[0.5, 0.25, 9.0], [-1.0, -1.0, 0.0], [0.1, 0.0, 0.0], [15.0, 15.0, 0.0]])
+    mask = _t([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0]])
+    tis = train_grpo.rollout_is_weights(log_ratio, mask, "sequence", 10.0)
+    torch.testing.assert_close(tis, _t([[E(0.75)] * 2 + [0], [E(-2)] * 2 + [0], [E(0.1), 0, 0], [10.0, 10.0, 0]]))
+    uncapped = train_grpo.rollout_is_weights(log_ratio, mask, "sequence", 1e12)
+    assert uncapped[3, 0].item() == pytest.approx(E(20), rel=1e-6)  # the sum 30 clamped to 20
+    # IcePop: a weight outside [0.5, 2] is zeroed, not truncated; e^0.75 = 2.12 and e^-2 = 0.14 are out
+    ice = train_grpo.rollout_is_weights(log_ratio, mask, "sequence", "0.5_2.0")
+    torch.testing.assert_close(ice, _t([[0, 0, 0], [0, 0, 0], [E(0.1), 0, 0], [0, 0, 0]]))
+    ice_token = train_grpo.rollout_is_weights(_t([[0.6, -0.6, 0.7, -0.8]]), _t([[1, 1, 1, 1]]), "token", "0.5_2")
+    torch.testing.assert_close(ice_token, _t([[E(0.6), E(-0.6), 0.0, 0.0]]))  # e^0.7 > 2, e^-0.8 < 0.5
+
+
+def test_all_masked_and_one_token_batches():
+    """Guards against NaN or non-zero output when a micro-batch has no live token (a surplus micro-batch), and
+    against an off-by-one on a one-token answer."""
+    empty = torch.zeros(2, 3)
+    for level in ("token", "sequence"):
+        assert train_grpo.rollout_is_weights(_t([[1.0] * 3] * 2), empty, level, 2.0).abs().sum() == 0
+    for mode in ("token_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2"):
+        assert train_grpo.rollout_rejection_mask(_t([[1.0] * 3] * 2), empty, mode, 2.0).sum() == 0
+    one = train_grpo.rollout_is_weights(_t([[0.3]]), _t([[1.0]]), "sequence", 2.0)
+    torch.testing.assert_close(one, _t([[E(0.3)]]))
+    assert train_grpo.rollout_rejection_mask(_t([[0.3]]), _t([[1.0]]), "seq_mean_k2", 0.04).item() == 0  # 0.045
+    assert train_grpo.rollout_rejection_mask(_t([[0.3]]), _t([[1.0]]), "seq_mean_k2", 0.05).item() == 1
+
+
+def test_token_rejection_modes():
+    """Guards against the k1 bounds read as log-ratio bounds the wrong way round, a lone upper bound not meaning
+    [1/u, u], and k2/k3 statistics computed wrongly (k2 = x^2/2, k3 = e^x - 1 - x, x clamped to +-20)."""
+    mask = torch.ones(1, 5)
+    x = _t([[0.5, 0.8, -0.8, -0.6, 0.0]])
+    # lone 2: keep |x| <= log 2 = 0.693
+    keep = train_grpo.rollout_rejection_mask(x, mask, "token_k1", 2.0)
+    torch.testing.assert_close(keep, _t([[1, 0, 0, 1, 1]]))
+    # "0.5_4": keep log 0.5 <= -x <= log 4, i.e. -1.386 <= x <= 0.693
+    x2 = _t([[0.8, 0.6, -1.2, -1.5, 0.0]])
+    torch.testing.assert_close(train_grpo.rollout_rejection_mask(x2, mask, "token_k1", "0.5_4"), _t([[0, 1, 1, 0, 1]]))
+    # k2 <= 0.1: |x| <= 0.447
+    torch.testing.assert_close(train_grpo.rollout_rejection_mask(x, mask, "token_k2", 0.1), _t([[0, 0, 0, 0, 1]]))
+    torch.testing.assert_close(train_grpo.rollout_rejection_mask(x, mask, "token_k2", 0.2), _t([[1, 0, 0, 1, 1]]))
+    # k3 <= 0.2: e^0.5-1.5 = 0.149 in, e^0.8-1.8 = 0.426 out, e^-0.8-0.2 = 0.249 out, e^-0.6-0.4 = 0.149 in
+    torch.testing.assert_close(train_grpo.rollout_rejection_mask(x, mask, "token_k3", 0.2), _t([[1, 0, 0, 1, 1]]))
+    # beyond +-20: x = 50 counts as 20 (k2 = 200), so a bound of 201 keeps it and 199 does not
+    far = _t([[50.0]])
+    assert train_grpo.rollout_rejection_mask(far, _t([[1.0]]), "token_k2", 201.0).item() == 1
+    assert train_grpo.rollout_rejection_mask(far, _t([[1.0]]), "token_k2", 199.0).item() == 0
+
+
+def test_sequence_rejection_modes_drop_whole_sequences():
+    """Guards against a sequence statistic that counts padding, and a sequence verdict applied to one token only."""
+    x = _t([[0.3, 0.3, 7.0], [0.9, 0.0, 0.0], [0.2, -0.2, 0.0]])
+    mask = _t([[1, 1, 0], [1, 1, 0], [1, 1, 0]])
+    # seq_sum_k1, lone 2: keep |sum x| <= 0.693; sums 0.6, 0.9, 0.0 (the 7.0 is padding)
+    torch.testing.assert_close(
+        train_grpo.rollout_rejection_mask(x, mask, "seq_sum_k1", 2.0), _t([[1, 1, 0], [0, 0, 0], [1, 1, 0]])
+    )
+    # seq_mean_k2 <= 0.1: means of x^2/2 are 0.045, 0.2025, 0.02
+    torch.testing.assert_close(
+        train_grpo.rollout_rejection_mask(x, mask, "seq_mean_k2", 0.1), _t([[1, 1, 0], [0, 0, 0], [1, 1, 0]])
+    )
+    # seq_max_k3 <= 0.05: maxima e^0.3-1.3 = 0.0499, e^0.9-1.9 = 0.560, e^0.2-1.2 = 0.0214 (e^-0.2+0.2-1 = 0.0187)
+    torch.testing.assert_close(
+        train_grpo.rollout_rejection_mask(x, mask, "seq_max_k3", 0.05), _t([[1, 1, 0], [0, 0, 0], [1, 1, 0]])
+    )
+    # seq_sum_k3 <= 0.06: sums 0.0997, 0.560, 0.0401
+    torch.testing.assert_close(
+        train_grpo.rollout_rejection_mask(x, mask, "seq_sum_k3", 0.06), _t([[0, 0, 0], [0, 0, 0], [1, 1, 0]])
+    )
+
+
+def test_chained_modes_all_must_pass_with_thresholds_per_mode():
+    """Guards against chained modes OR-ed instead of AND-ed, thresholds paired with the wrong mode, and a
+    lower_upper given to a k2/k3 mode or a wrong count of thresholds accepted."""
+    x = _t([[0.5, -0.1, 0.0], [0.05, 0.05, 0.05]])
+    mask = _t([[1, 1, 1], [1, 1, 0]])
+    # token_k1 in [0.7, 1.5] (x in [-0.405, 0.357]) and seq_mean_k3 <= 0.01: row 0 loses 0.5 by k1, and its mean k3
+    # (0.1487 + 0.0048 + 0) / 3 = 0.051 drops the whole row; row 1 passes both
+    keep = train_grpo.rollout_rejection_mask(x, mask, "token_k1,seq_mean_k3", "0.7_1.5,0.01")
+    torch.testing.assert_close(keep, _t([[0, 0, 0], [1, 1, 0]]))
+    only_k1 = train_grpo.rollout_rejection_mask(x, mask, "token_k1,seq_mean_k3", "0.7_1.5,1.0")
+    torch.testing.assert_close(only_k1, _t([[0, 1, 1], [1, 1, 0]]))
+    assert parse_rs_thresholds(["token_k1", "token_k2"], "3") == [(1 / 3, 3.0), (None, 3.0)]
+    with pytest.raises(ValueError, match="upper bound only"):
+        train_grpo.rollout_rejection_mask(x, mask, "token_k2", "0.5_2")
+    with pytest.raises(ValueError, match="2 thresholds for 3 modes"):
+        train_grpo.rollout_rejection_mask(x, mask, "token_k1,token_k2,seq_max_k3", "2,3")
+    with pytest.raises(ValueError, match="unknown mode 'seq_max_k1'"):
+        train_grpo.rollout_rejection_mask(x, mask, "seq_max_k1", "2")
+
+
+def test_measure_splits_the_gap_by_modality():
+    """Guards against one modality's gap reported under another, padding counted, or the mismatch KL not being
+    k3 of the engine's against the trainer's log-probs."""
+    from types import SimpleNamespace
+
+    image = SimpleNamespace(image_grid_thw=torch.ones(1, 3), video_grid_thw=None)
+    video = SimpleNamespace(image_grid_thw=torch.ones(1, 3), video_grid_thw=torch.ones(1, 3))  # both: video
+    text = SimpleNamespace(image_grid_thw=None, video_grid_thw=None)
+    kinds = [modality(p) for p in (text, image, video, image)]
+    assert kinds == ["text", "image", "video", "image"]
+    trainer = _t([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0], [-2.0, -2.0, -2.0], [-1.5, 0.0, 0.0]])
+    engine = _t([[-1.0, -2.1, 9.0], [-1.2, -0.7, 0.0], [-2.0, -2.0, -2.0], [-1.0, 0.0, 0.0]])
+    mask = _t([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    stats = dict.fromkeys(STATS, 0.0)
+    measure(trainer, engine, mask, kinds, stats)
+    m = _gap_metrics(stats)
+    k3 = lambda x: E(x) - 1 - x  # noqa: E731
+    assert m["rollout/logprob_diff_mean/text"] == pytest.approx(0.05)
+    assert m["rollout/logprob_diff_max/text"] == pytest.approx(0.1)
+    assert m["rollout/mismatch_kl/text"] == pytest.approx(k3(0.1) / 2, rel=1e-4)
+    assert m["rollout/logprob_diff_mean/image"] == pytest.approx((0.2 + 0.3 + 0.5) / 3)
+    assert m["rollout/mismatch_kl/image"] == pytest.approx((k3(0.2) + k3(-0.3) + k3(-0.5)) / 3, rel=1e-4)
+    assert m["rollout/mismatch_kl/video"] == 0.0 and m["rollout/logprob_diff_max"] == pytest.approx(0.5)
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(1.1 / 8)
+    stats = dict.fromkeys(STATS, 0.0)
+    measure(trainer[:1], engine[:1], mask[:1], ["text"], stats)
+    assert [k for k in _gap_metrics(stats) if k.endswith("/image") or k.endswith("/video")] == []  # absent: not 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.rollout_is=seq"], "algorithm.rollout_is='seq'"),
+        (["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=2_0.5"], "lower <= upper"),
+        (["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=0"], "must be positive"),
+        (["algorithm.rollout_rs=token_k4", "algorithm.rollout_rs_threshold=2"], "unknown mode 'token_k4'"),
+        (["algorithm.rollout_rs=token_k2"], "rollout_rs_threshold=''"),
+        (["algorithm.tis_cap=-1"], "algorithm.tis_cap=-1"),
+        (["algorithm.mismatch_guard=-0.1"], "mismatch_guard=-0.1"),
+    ],
+)
+def test_bad_settings_fail_at_config_time(overrides, message):
+    """Guards against a misspelt correction that silently trains without it."""
+    with pytest.raises(train_grpo.ConfigError, match=message):
+        train_grpo.check_config(train_grpo.load_config(None, overrides), 1)
+
+
+def test_config_pairs_and_yaml_ranges():
+    """Guards against two settings fighting (tis_cap with rollout_is; importance weights on bypass's ratio, which
+    is already against the engine), and YAML reading a range such as 0.5_2 as the number 0.52."""
+    for pair in (["algorithm.tis_cap=2", "algorithm.rollout_is=token"],
+                 ["algorithm.rollout_bypass=true", "algorithm.rollout_is=sequence"],
+                 ["algorithm.rollout_bypass=true", "algorithm.tis_cap=2"]):  # fmt: skip
+        with pytest.raises(train_grpo.ConfigError):
+            train_grpo.check_config(train_grpo.load_config(None, pair), 1)
+    cfg = train_grpo.load_config(None, ["algorithm.rollout_rs=token_k1", "algorithm.rollout_rs_threshold=0.5_2"])
+    assert cfg.algorithm.rollout_rs_threshold == "0.5_2"
+    train_grpo.check_config(cfg, 1)
+    ok = ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=0.5_2.0", "algorithm.rollout_bypass=false",
+          "algorithm.rollout_rs=seq_mean_k1,seq_max_k3", "algorithm.rollout_rs_threshold=0.9_1.1,0.5"]  # fmt: skip
+    train_grpo.check_config(train_grpo.load_config(None, ok), 1)
+
+
+def test_bypass_takes_the_engines_logprobs_or_says_it_has_none():
+    """Guards against bypass silently training on missing or misaligned engine log-probs."""
+    from mismatch import engine_logps
+    from rollout import Sample
+
+    (old,) = engine_logps([Sample(0, [5, 6], [-0.5, -1.5], "", False)])
+    torch.testing.assert_close(old, _t([-0.5, -1.5]))
+    for logprobs in (None, [-0.5]):
+        with pytest.raises(RuntimeError, match="rollout_bypass=true takes the engine's log-probs"):
+            engine_logps([Sample(0, [5, 6], logprobs, "", False)])
+
+
+def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
+    """configs/tiny.yaml on 2 ranks through tests/mismatch_check.py with `fault` injected into the engine; returns
+    (the train rows of metrics.jsonl or None, stdout + stderr)."""
+    import subprocess
+    import sys
+
+    from scripts.make_synthetic_data import make_geo3k_like
+    from tests.launch import REPO
+
+    train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=rows, seed=0, text_only_every=4)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/mismatch_check.py", fault, "configs/tiny.yaml", f"actor.model_path={model_dir}",
+           f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out}",
+           f"trainer.max_steps={steps}", *overrides]  # fmt: skip
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        return None, log
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], log
+
+
+def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
+    """Guards against the silent failure of VLM RL runs: the engine samples a prompt whose image it never saw
+    (here one prompt of rank 0 gets a blank image), the trainer scores it with the image, and the run trains on.
+    The guard must stop it at step 1 naming the modality, the figure and the bound; the same run without the fault
+    must pass the guard and log every modality's mismatch; and a resume of that run with the fault must be stopped
+    at its first step, step 2."""
+    rows, log = _demo_run(tmp_path / "fault", tiny_model_dir, "blank_image", "trainer.max_steps=1")
+    assert rows is None, log[-3000:]
+    assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
+    assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.save_freq=1", steps=1)
+    assert rows is not None, log[-3000:]
+    (row,) = rows
+    assert row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
+    assert "rollout/mismatch_kl/video" not in row
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "blank_image", steps=2)
+    assert rows is None and "the image samples of step 2 have a mismatch KL of" in log, log[-3000:]
+
+
+CORRECTION_RUNS = {
+    # IcePop token weights, and rejection of tokens outside [0.87, 1.15] and of sequences with a mean k3 above 0.008
+    "token": ["algorithm.rollout_is=token", "algorithm.rollout_is_threshold=0.5_2.0",
+              "algorithm.rollout_rs=token_k1,seq_mean_k3", "algorithm.rollout_rs_threshold=0.87_1.15,0.008"],
+    # truncated sequence weights, and rejection of sequences whose summed log ratio leaves [1/2, 2]
+    "sequence": ["algorithm.rollout_is=sequence", "algorithm.rollout_is_threshold=2.0",
+                 "algorithm.rollout_rs=seq_sum_k1", "algorithm.rollout_rs_threshold=2.0"],
+    # the engine's log-probs as the old ones over two optimizer steps a step, rejecting sequences by their worst k2
+    "bypass": ["algorithm.rollout_bypass=true", "actor.global_batch_size=8", "algorithm.rollout_rs=seq_max_k2",
+               "algorithm.rollout_rs_threshold=0.045"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTION_RUNS))
+def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
+    """Guards against a correction that breaks learning, or one that is configured but never applied: the engine's
+    log-probs come back with Gaussian noise (std 0.1, so the mismatch KL is about 0.1^2 / 2 = 5e-3 per token, under
+    the guard) for the corrections to act on. The demo must learn in 15 steps on 2 ranks, the measured mismatch
+    must be the injected one in every modality, and the corrections must show in their metrics."""
+    rows, log = _demo_run(tmp_path, tiny_model_dir, "noise", "actor.lr=3e-3", *CORRECTION_RUNS[name], steps=15, rows=96)
+    assert rows is not None, log[-3000:]
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    first = sum(r["reward/overall"] for r in rows[:5]) / 5
+    last = sum(r["reward/overall"] for r in rows[-5:]) / 5
+    assert last > first + 0.1, (first, last)
+    for r in rows:
+        # bypass measures the current policy against the engine: the injected noise plus the drift of the step's
+        # first optimizer step (lr 3e-3: 0.008 to 0.027 seen), and rejects more (0.27 to 0.53 seen)
+        high = 0.05 if name == "bypass" else 8e-3
+        for m in ("text", "image"):
+            assert 2e-3 < r[f"rollout/mismatch_kl/{m}"] < high, r
+        # (a sequence counts as rejected when any of its tokens is: token-level rejection touches most of them)
+        assert 0 < r["rollout/rs_rejected_token_frac"] < 0.7 and 0 < r["rollout/rs_rejected_seq_frac"] <= 1, r
+        if name != "bypass":
+            assert 0.5 < r["rollout/is_weight_mean"] < 1.5 and 0 < r["rollout/is_ess"] <= 1, r
+    if name == "token":  # IcePop zeroes the tokens whose weight leaves [0.5, 2]: |noise| > 0.69, ~5e-12 of them
+        assert all(r["rollout/is_clipped_frac"] < 0.01 for r in rows)
+    if name == "sequence":  # sequence weights spread with the summed noise: some are truncated at 2
+        assert all(0 < r["rollout/is_clipped_frac"] < 0.5 and r["rollout/is_ess"] < 0.99 for r in rows)
