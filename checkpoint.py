@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lora import LORA_ADAPTER, add_lora, base_name, is_lora_factor, lora_delta, merged_parameters
 from models import load_model, reshard
-from runtime import print0, resolve_path
+from runtime import phase, print0, resolve_path
 
 
 def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
@@ -43,7 +43,7 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    t0 = time.perf_counter()
+    t0 = phase("checkpoint save")
     rank, root = dist.get_rank(), os.path.join(output_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp-step_{step}"), os.path.join(root, f"step_{step}")
     if rank == 0:
@@ -180,7 +180,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
     """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    t0 = time.perf_counter()
+    t0 = phase("checkpoint load")
     reshard(model)  # load into the DTensor shards the optimizer owns
     options = _state_options(cfg)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
@@ -401,6 +401,7 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
     from torch.distributed.fsdp import FSDPModule
     from transformers.core_model_loading import revert_weight_conversion
 
+    phase("export")
     if isinstance(model, FSDPModule):  # (export_checkpoint's model is a plain one)
         reshard(model)  # the DTensor shards, never FSDP2's temporary unsharded root params
     tensors, seen = {}, set()
