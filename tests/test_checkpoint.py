@@ -146,6 +146,34 @@ def test_resume_exactly_at_an_epoch_boundary(tiny_model_dir, uninterrupted, tmp_
         assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
 
 
+def test_resume_from_a_checkpoint_of_the_format_before(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against checkpoints written before rank files held only tensors failing to load (their rank_R.pt holds
+    numpy's RNG state as an array, which weights_only=True refuses), or resuming other than the uninterrupted run.
+    (test_checkpoint_safety.py checks each random stream of such a file.)"""
+    import shutil
+
+    import numpy as np
+
+    data, reference = uninterrupted
+    old = tmp_path / "step_4"
+    shutil.copytree(os.path.join(reference, "checkpoints", "step_4"), old)
+    for rank in (0, 1):  # rewritten exactly as the save of the format before wrote them
+        new = torch.load(old / f"rank_{rank}.pt", weights_only=True)
+        torch.save({
+            "python_rng": (new["python_rng_version"], tuple(new["python_rng"].tolist()), new["python_gauss"]),
+            "numpy_rng": ("MT19937", new["numpy_rng"].numpy().astype(np.uint32), new["numpy_rng_pos"],
+                          *new["numpy_gauss"]),
+            "torch_rng": new["torch_rng"], "cuda_rng": new["cuda_rng"], "reward_counters": new["reward_counters"],
+        }, old / f"rank_{rank}.pt")  # fmt: skip
+    out = tmp_path / "from_old_format"
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", f"trainer.resume={old}"))
+    assert f"resumed from {old}" in stdout
+    resumed, expected = metrics(out), metrics(reference)[4:]
+    assert [r["step"] for r in resumed] == [5, 6]
+    for got, want in zip(resumed, expected):
+        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+
+
 def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     """Guards against a stop signal killing the run mid-step, losing the steps since the last save, or ranks
     disagreeing on the step to stop at (a hang)."""
