@@ -8,6 +8,7 @@ Everything here is small and shared: train_grpo.py, checkpoint.py and the benche
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import datetime
 import faulthandler
@@ -49,7 +50,8 @@ def setup_distributed(collective_timeout_s: float = 3600.0):
         raise SystemExit(f"error: {problem}")
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     sys.excepthook = report_failure(sys.excepthook, collective_timeout_s)
-    faulthandler.enable()  # a fatal signal (NCCL's watchdog aborts on a timeout) prints each thread's Python stack
+    with contextlib.suppress(AttributeError, OSError):  # (a stderr without a file descriptor: captured in a test)
+        faulthandler.enable()  # a fatal signal (NCCL's watchdog aborts on a timeout) prints each thread's Python stack
     if torch.cuda.is_available():
         device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)

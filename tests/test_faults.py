@@ -93,3 +93,40 @@ def test_a_rank_that_stops_ends_the_run_naming_the_phase(tiny_model_dir, tmp_pat
     expected = "rank 0: failed in phase 'rollout': a collective waited longer than trainer.collective_timeout_s="
     assert f"{expected}{timeout_s}s" in output, output[-5000:]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["trainer"]["collective_timeout_s"] == timeout_s
+
+
+def test_both_process_group_branches_get_the_timeout(monkeypatch):
+    """Guards against the timeout reaching the CPU run's group but not the GPU run's (NCCL's own default is 10
+    minutes), or a call torch's init_process_group signature does not take. The CUDA branch runs here on CPU, with
+    init_process_group replaced by a stand-in that binds its arguments to torch's real signature."""
+    import datetime
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    import runtime
+
+    calls, real = [], dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        inspect.signature(real).bind(*args, **kwargs)
+        calls.append((args, kwargs))
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # setup_distributed wraps it: restored after the test
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        runtime.setup_distributed(42)
+    timeout = datetime.timedelta(seconds=42)
+    assert calls == [
+        (("cpu:gloo,cuda:nccl",), {"device_id": torch.device("cuda", 0), "timeout": timeout}),
+        (("gloo",), {"timeout": timeout}),
+    ]
