@@ -4,6 +4,7 @@
   as many on every rank (FSDP2's forwards and backwards are collectives).
 - rebalance_moves / balance_over_ranks: even out the ranks' token totals of an optimizer step by moving a few
   sequences, so no rank waits for the fullest one (actor.balance_ranks).
+- stack_padded: per-sequence rows (log-probs) as one zero-padded micro-batch tensor.
 
 The functions work on token counts and lists of items; the loop in train_grpo.py builds the micro-batches from them.
 """
@@ -117,3 +118,11 @@ def shared_prefix_parts(groups: list[list[int]], prompt_lens: list[int], lengths
         parts.append(part)
         costs.append(cost)
     return parts, costs
+
+
+def stack_padded(rows, t_len, device):
+    """1-D tensors as the rows of a (len(rows), t_len) tensor on `device`, zero-padded on the right."""
+    out = torch.zeros(len(rows), t_len, device=device)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row.to(device)
+    return out

@@ -2,9 +2,14 @@
 
 <output_dir>/checkpoints/step_N/ holds the model and optimizer shards (torch.distributed.checkpoint, each rank writes
 its own; with LoRA the adapters and their optimizer state only, the frozen base being actor.model_path's),
-rank_R.pt (that rank's RNG states and reward counters) and trainer_state.json (step, data position, LR
-schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a directory named
-step_N is complete, anything else is a save that was killed midway.
+rank_R.pt (that rank's RNG states and reward counters, as tensors and numbers) and trainer_state.json (step, data
+position, LR schedule, resolved config). A save is written to .tmp-step_N and renamed once every file is on disk: a
+directory named step_N is complete, anything else is a save that was killed midway (or ran out of disk).
+
+Loading a checkpoint never runs code from it: checkpoints are copied between clusters and shared, and a pickle can
+call anything. rank_R.pt is read with torch.load(weights_only=True); DCP's .metadata (a pickle that torch reads with
+plain pickle.load) through an unpickler that admits only DCP's own metadata classes; DCP's non-tensor entries (the
+optimizer's hyper-parameters, which torch reads with weights_only=False) through weights_only=True as well.
 
 save_hf writes a Hugging Face model directory (the end of training, and export_checkpoint for any saved step); with
 LoRA its weights are merged (base + scale B A, plain names), and save_adapter writes the adapter alone in PEFT's format.
@@ -13,8 +18,12 @@ LoRA its weights are merged (base + scale B A, plain names), and save_adapter wr
 from __future__ import annotations
 
 import dataclasses
+import enum
+import errno
+import io
 import json
 import os
+import pickle
 import time
 
 import torch
@@ -22,19 +31,19 @@ import torch.distributed as dist
 
 from lora import LORA_ADAPTER, add_lora, base_name, is_lora_factor, lora_delta, merged_parameters
 from models import load_model, reshard
-from runtime import print0, resolve_path
+from runtime import phase, print0, resolve_path
 
 
 def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
-    """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones."""
-    import random
+    """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones. A save that
+    fails on any rank (a full disk) fails on all of them together with one message, leaving the checkpoints that were
+    complete as they were."""
     import shutil
 
-    import numpy as np
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    t0 = time.perf_counter()
+    t0 = phase("checkpoint save")
     rank, root = dist.get_rank(), os.path.join(output_dir, "checkpoints")
     tmp, final = os.path.join(root, f".tmp-step_{step}"), os.path.join(root, f"step_{step}")
     if rank == 0:
@@ -43,28 +52,62 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
     dist.barrier()
     reshard(model)  # save the DTensor shards, never FSDP2's temporary unsharded root params
     model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(cfg))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    rank_state = {
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
-    }
-    torch.save(rank_state, os.path.join(tmp, f"rank_{rank}.pt"))
-    dist.barrier()  # every rank's files are written before rank 0 declares the checkpoint complete
+    error = None
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        torch.save(rank_state(scorer), os.path.join(tmp, f"rank_{rank}.pt"))
+    except (Exception, dcp.CheckpointException) as e:  # (DCP's own is a BaseException)
+        error = e
+    _raise_if_save_failed(error, step, output_dir, tmp)  # every rank's files are written, or every rank stops here
+    error = None
     if rank == 0:
-        # The sampler's order is a pure function of (trainer.seed, epoch): epoch and position restore it exactly.
-        trainer_state = {"step": step, "epoch": epoch, "position": position, "world_size": dist.get_world_size()}
-        trainer_state.update(scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        shutil.rmtree(final, ignore_errors=True)  # a step_N of an earlier run in this directory (resume=none)
-        os.rename(tmp, final)  # atomic: from here on the checkpoint exists, complete
-        prune_checkpoints(root, cfg.trainer.save_limit, keep=final)
-        size = sum(e.stat().st_size for e in os.scandir(final))
-        print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
-    dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is complete
+        try:
+            # The sampler's order is a pure function of (trainer.seed, epoch): epoch and position restore it exactly.
+            trainer_state = {"step": step, "epoch": epoch, "position": position, "world_size": dist.get_world_size()}
+            trainer_state.update(scheduler=scheduler.state_dict(), config=dataclasses.asdict(cfg))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(trainer_state, f, indent=2)
+            shutil.rmtree(final, ignore_errors=True)  # a step_N of an earlier run in this directory (resume=none)
+            os.rename(tmp, final)  # atomic: from here on the checkpoint exists, complete
+            prune_checkpoints(root, cfg.trainer.save_limit, keep=final)
+            size = sum(e.stat().st_size for e in os.scandir(final))
+            print(f"saved {final} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s)", flush=True)
+        except Exception as e:
+            error = e
+    _raise_if_save_failed(error, step, output_dir, tmp)  # no rank runs ahead (or exits) before the save is complete
+
+
+def _raise_if_save_failed(error, step, output_dir, tmp):
+    """Collective: every rank stops with SystemExit when any rank's part of a save failed (rank 0 with the message),
+    so none waits for the failed one in a later collective. The partial directory is removed (on a full disk it holds
+    the space a rerun needs); the complete checkpoints are untouched, and the newest is what a rerun resumes from."""
+    import shutil
+
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if error is None else (_describe(error), _disk_full(error)))
+    failed = [(rank, failure) for rank, failure in enumerate(failures) if failure is not None]
+    if not failed:
+        return
+    if dist.get_rank() != 0:
+        raise SystemExit(1)
+    shutil.rmtree(tmp, ignore_errors=True)
+    complete, _ = list_checkpoints(output_dir)
+    last = f"the last complete checkpoint, {complete[-1][1]}, is intact" if complete else "no checkpoint is complete"
+    (rank, (what, _)), disk_full = failed[0], any(full for _, (_, full) in failed)
+    cause = "no space left on device" if disk_full else f"rank {rank}: {what}"
+    advice = "free space there (or lower trainer.save_limit), then " if disk_full else ""
+    raise SystemExit(f"error: saving the checkpoint of step {step} to {tmp} failed ({cause}); {last}. {advice}"
+                     "rerun the same command to resume from the last complete checkpoint")  # fmt: skip
+
+
+def _describe(error):
+    inner = [failure[0] for failure in getattr(error, "failures", {}).values()]  # DCP's: (exception, trace) per rank
+    return "; ".join(f"{type(e).__name__}: {e}" for e in inner or [error])
+
+
+def _disk_full(error):
+    inner = [failure[0] for failure in getattr(error, "failures", {}).values()]
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in [error, *inner])
 
 
 def _state_options(cfg):
@@ -107,8 +150,9 @@ def prune_checkpoints(root, limit, keep):
 
 def find_resume_checkpoint(output_dir, resume):
     """trainer.resume: auto = the newest complete checkpoint in output_dir (None if there is none), none = None,
-    or a checkpoint path, which must be complete. Rank 0 decides and tells the others, so all load the same one."""
-    choice = [None]
+    or a checkpoint path, which must be complete. Rank 0 decides, checks that the checkpoint's pickles hold data only,
+    and tells the others, so all load the same one (or all stop with rank 0's reason)."""
+    choice = [None, None]  # the checkpoint, why it cannot be loaded
     if dist.get_rank() == 0:
         complete, incomplete = list_checkpoints(output_dir)
         if resume == "auto":
@@ -117,28 +161,31 @@ def find_resume_checkpoint(output_dir, resume):
             choice[0] = complete[-1][1] if complete else None
         elif resume != "none":
             if not is_complete_checkpoint(resume) or os.path.basename(os.path.normpath(resume)).startswith(".tmp-"):
-                raise SystemExit(f"trainer.resume={resume}: not a complete checkpoint (a save that did not finish?)")
+                choice[1] = f"trainer.resume={resume}: not a complete checkpoint (a save that did not finish?)"
             choice[0] = resume
         elif complete:
             print(f"warning: trainer.resume=none: starting fresh; the checkpoints in {output_dir} will be replaced")
+        try:
+            if choice[0] and not choice[1]:
+                check_checkpoint(choice[0])
+        except UnsafeCheckpointError as e:
+            choice[1] = str(e)
     dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise SystemExit(choice[1] if dist.get_rank() == 0 else 1)
     return choice[0]
 
 
 def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
     """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
-    import random
-
-    import numpy as np
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    t0 = time.perf_counter()
+    t0 = phase("checkpoint load")
     reshard(model)  # load into the DTensor shards the optimizer owns
     options = _state_options(cfg)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)  # each rank reads only its own shards, resharded if the world size changed
+    load_shards(state, path)  # each rank reads only its own shards, resharded if the world size changed
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)
@@ -153,19 +200,191 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
                "the data order and random streams differ from an uninterrupted run")  # fmt: skip
     rank_file = os.path.join(path, f"rank_{rank}.pt")
     if os.path.exists(rank_file):
-        rank_state = torch.load(rank_file, weights_only=False)  # our own file; holds numpy RNG arrays
-        random.setstate(rank_state["python_rng"])
-        np.random.set_state(rank_state["numpy_rng"])
-        torch.set_rng_state(rank_state["torch_rng"])
-        if rank_state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rank_state["cuda_rng"])
-        scorer.n_timeouts = rank_state["reward_counters"]["n_timeouts"]
-        scorer.n_errors = rank_state["reward_counters"]["n_errors"]
+        restore_rank_state(read_rank_state(rank_file), scorer)
     print0(
         f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
         f"index {position} of this epoch's shard on each rank; next step {step + 1}"
     )
     return step, epoch, position
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a checkpoint may hold: data, never code.
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    pass
+
+
+def _refusal(path, what, entry=""):
+    return (
+        f"{path}: refused to load{entry}: its pickle would call {what}, and a checkpoint of this trainer holds only "
+        "data, so the file was altered or written by something else (nothing in it was run). Resume from another "
+        "checkpoint (trainer.resume=PATH) or start fresh (trainer.resume=none)"
+    )
+
+
+def _refused_globals(file):
+    """The globals in a torch.save file (a path, or bytes read into a BytesIO) that torch.load(weights_only=True)
+    refuses, read without unpickling it; numpy's array classes, which old rank files hold, are not named."""
+    if hasattr(file, "seek"):
+        file.seek(0)
+    names = [n for n in torch.serialization.get_unsafe_globals_in_checkpoint(file) if not n.startswith("numpy.")]
+    return ", ".join(names) or "something that is not data"
+
+
+def rank_state(scorer):
+    """This rank's random streams and reward counters as tensors and numbers, which torch.load(weights_only=True)
+    reads back (numpy's and Python's states are tuples of objects; their numbers go into int64 tensors)."""
+    import random
+
+    import numpy as np
+
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    assert kind == "MT19937"
+    return {
+        "python_rng": torch.tensor(mt, dtype=torch.int64), "python_rng_version": version, "python_gauss": gauss,
+        "numpy_rng": torch.from_numpy(keys.astype(np.int64)), "numpy_rng_pos": int(pos),
+        "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
+    }  # fmt: skip
+
+
+def restore_rank_state(state, scorer):
+    import random
+
+    import numpy as np
+
+    random.setstate((state["python_rng_version"], tuple(state["python_rng"].tolist()), state["python_gauss"]))
+    has_gauss, cached_gaussian = state["numpy_gauss"]
+    np.random.set_state(("MT19937", state["numpy_rng"].numpy().astype(np.uint32), state["numpy_rng_pos"], has_gauss,
+                         cached_gaussian))  # fmt: skip
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    scorer.n_timeouts = state["reward_counters"]["n_timeouts"]
+    scorer.n_errors = state["reward_counters"]["n_errors"]
+
+
+def read_rank_state(path):
+    """A rank_R.pt as rank_state wrote it, read with weights_only=True; UnsafeCheckpointError, naming the file, for one
+    whose pickle would call anything but torch's tensor rebuilders. A file written before rank files held only tensors
+    (numpy's RNG state as an array) is read with numpy's array classes admitted as well (its uint32 array: no object
+    array, no code), and converted."""
+    import numpy as np
+
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        pass
+    core = getattr(np, "_core", None) or np.core  # numpy 2 moved it; numpy 1 pickles name numpy.core
+    arrays = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("u4"))]
+    try:
+        with torch.serialization.safe_globals(arrays):
+            old = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UnsafeCheckpointError(_refusal(path, _refused_globals(path))) from None
+    version, mt, gauss = old["python_rng"]
+    _, keys, pos, has_gauss, cached_gaussian = old["numpy_rng"]
+    return {
+        **old, "python_rng": torch.tensor(mt, dtype=torch.int64), "python_rng_version": version,
+        "python_gauss": gauss, "numpy_rng": torch.from_numpy(keys.astype(np.int64)), "numpy_rng_pos": int(pos),
+        "numpy_gauss": [int(has_gauss), float(cached_gaussian)],
+    }  # fmt: skip
+
+
+def _is_metadata_global(module, name):
+    """The globals DCP's .metadata is made of: the dataclasses and enums of torch.distributed.checkpoint.metadata,
+    its _StorageInfo, torch.Size, dtypes and layouts (a layout pickles through torch.serialization._get_layout, a
+    name lookup), and the path the checkpoint was written to."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    if module == dcp_metadata.__name__:
+        cls = getattr(dcp_metadata, name, None)
+        own = isinstance(cls, type) and cls.__module__ == module
+        return own and (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum))
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
+    paths = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")} or (
+        module in ("pathlib", "pathlib._local") and name in paths)  # fmt: skip
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle.load for DCP's .metadata, admitting only its own classes (_is_metadata_global): every way a pickle
+    calls code goes through a global, and any other global is refused before it is even imported."""
+
+    def __init__(self, file, path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module, name):
+        if not _is_metadata_global(module, name):
+            raise UnsafeCheckpointError(_refusal(self.path, f"{module}.{name}"))
+        return super().find_class(module, name)
+
+
+def _data_only_reader(path):
+    """torch's FileSystemReader (its tensors are read with weights_only=True), but with .metadata read by
+    MetadataUnpickler where torch calls pickle.load (filesystem.py, 2.11 to 2.14)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class DataOnlyReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")  # __R.metadata: a checkpoint saved without collectives (torch >= 2.9)
+            path = self.fs.concat_path(self.path, ".metadata" if rank is None else f"__{rank}.metadata")
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = MetadataUnpickler(f, str(path)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return DataOnlyReader(path)
+
+
+def _data_only_planner(path):
+    """DCP's default load planner, but its non-tensor entries (the optimizer's hyper-parameters; torch reads them
+    with torch.load(weights_only=False)) are read with weights_only=True first, and torch gets a fresh pickle of that
+    data."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class DataOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            try:
+                data = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                file = os.path.join(path, self.metadata.storage_data[read_item.storage_index].relative_path)
+                entry = f" (entry {read_item.dest_index.fqn})"
+                raise UnsafeCheckpointError(_refusal(file, _refused_globals(value), entry)) from None
+            value = io.BytesIO()
+            torch.save(data, value)
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return DataOnlyPlanner()
+
+
+def load_shards(state, path):
+    """Collective: dcp.load of a checkpoint's model and optimizer shards into `state`, without running its pickles."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=_data_only_reader(path), planner=_data_only_planner(path))
+
+
+def check_checkpoint(path):
+    """Read the pickles a checkpoint holds outside its tensors (.metadata, each rank_R.pt) the way loading does, so
+    that a file that would run code is refused, by name, before any rank loads anything."""
+    _data_only_reader(path).read_metadata()
+    for name in sorted(os.listdir(path)):
+        if name.startswith("rank_") and name.endswith(".pt"):
+            read_rank_state(os.path.join(path, name))
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -182,6 +401,7 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
     from torch.distributed.fsdp import FSDPModule
     from transformers.core_model_loading import revert_weight_conversion
 
+    phase("export")
     if isinstance(model, FSDPModule):  # (export_checkpoint's model is a plain one)
         reshard(model)  # the DTensor shards, never FSDP2's temporary unsharded root params
     tensors, seen = {}, set()
@@ -286,7 +506,6 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     end of training (safetensors in the original naming, the processor with the run's pixel ranges). The base
     model's weights are never read: one copy of the model in memory, the checkpoint's. (A LoRA checkpoint holds the
     adapters only: then the base model is read, and the export is it with the adapters merged.)"""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoProcessor
 
     from data import set_pixel_range
@@ -294,6 +513,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
 
     if not is_complete_checkpoint(checkpoint):
         raise SystemExit(f"{checkpoint}: not a complete checkpoint (no .metadata or trainer_state.json)")
+    try:
+        _data_only_reader(checkpoint).read_metadata()
+    except UnsafeCheckpointError as e:
+        raise SystemExit(str(e)) from None
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         cfg = json.load(f)["config"]
     model_path = model_path or resolve_path(cfg["actor"]["model_path"])
@@ -319,7 +542,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
         # Only the model's entries are read (the optimizer's stay on disk); DCP loads in place into these tensors and
         # fails on any key the checkpoint lacks, so a model that does not match the checkpoint cannot be half-loaded.
         state = {"model": {k: v for k, v in model.state_dict().items() if not lora or is_lora_factor(k)}}
-        dcp.load(state, checkpoint_id=checkpoint)
+        load_shards(state, checkpoint)
         model.load_state_dict(state["model"], strict=not lora)
         save_hf(model, processor, out_dir)
     finally:

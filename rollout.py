@@ -22,6 +22,7 @@ slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vL
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -428,7 +429,9 @@ class VLLMEngine:
         # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
         # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.
         self.llm.llm_engine.engine_core._finalizer.detach()
-        self.tp_group = dist.new_subgroups(group_size=self.tp)[0] if self.tp > 1 else None
+        # a sub-group's collectives get trainer.collective_timeout_s as well (new groups take torch's default otherwise)
+        timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
+        self.tp_group = dist.new_subgroups(group_size=self.tp, timeout=timeout)[0] if self.tp > 1 else None
         self.asleep = set()  # the sleeping parts: "weights", "kv_cache"
         self.synced = False  # until the first sync the engine holds the checkpoint's weights
         self.timings = {"time/wake": 0.0, "time/weight_sync": 0.0, "time/sleep": 0.0}

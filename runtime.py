@@ -1,5 +1,6 @@
-"""The run's surroundings: distributed setup and a rank's exit, rank-0 printing and cross-rank means, the start-up
-banner (commit, versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a signal.
+"""The run's surroundings: distributed setup (with the collectives' timeout and the phase a failed rank was in) and a
+rank's exit, rank-0 printing and cross-rank means, the start-up banner (commit, versions, hosts) and device checks,
+paths relative to the repository, and stopping cleanly on a signal.
 
 Everything here is small and shared: train_grpo.py, checkpoint.py and the benches import it; it imports none of them.
 """
@@ -7,7 +8,10 @@ Everything here is small and shared: train_grpo.py, checkpoint.py and the benche
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import datetime
+import faulthandler
 import json
 import os
 import re
@@ -24,8 +28,12 @@ import torch.distributed as dist
 # Distributed: one process per device, started by torchrun or Slurm.
 
 
-def setup_distributed():
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm."""
+def setup_distributed(collective_timeout_s: float = 3600.0):
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm.
+
+    A collective that waits longer than collective_timeout_s (trainer.collective_timeout_s) for a rank fails instead of
+    hanging: gloo raises it in the waiting rank, which then exits naming its phase (report_failure); NCCL's watchdog
+    ends the process, and faulthandler prints where each thread was."""
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
@@ -40,14 +48,48 @@ def setup_distributed():
     problem = cuda_problem(torch.cuda.is_available(), gpus, driver, torch.version.cuda)
     if problem:  # an 8-GPU node must never quietly train on its CPUs
         raise SystemExit(f"error: {problem}")
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    sys.excepthook = report_failure(sys.excepthook, collective_timeout_s)
+    with contextlib.suppress(AttributeError, OSError):  # (a stderr without a file descriptor: captured in a test)
+        faulthandler.enable()  # a fatal signal (NCCL's watchdog aborts on a timeout) prints each thread's Python stack
     if torch.cuda.is_available():
         device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+_phase = "start-up"  # what this rank is doing, for the message of a collective that fails
+
+
+def phase(name: str) -> float:
+    """Record the phase of the run this rank enters (the step's phases, validation, checkpoint save or load). Returns
+    time.perf_counter(), so that the phase's timer starts on the same line."""
+    global _phase
+    _phase = name
+    return time.perf_counter()
+
+
+def report_failure(excepthook, timeout_s):
+    """sys.excepthook that also says which phase the rank was in, and, for a collective that timed out or lost a
+    peer, that another rank stopped taking part: the rank that reports first is rarely the one at fault."""
+
+    def report(kind, error, traceback):
+        excepthook(kind, error, traceback)
+        text = str(error)
+        if "Timed out" in text or "timed out" in text:
+            why = (f": a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s for another rank, "
+                   "which stopped taking part (it hangs or died: see its output)")  # fmt: skip
+        elif "closed by peer" in text or "reset by peer" in text:
+            why = ": another rank left a collective (it died: see its output)"
+        else:
+            why = ""
+        print(f"rank {os.environ.get('RANK', '?')}: failed in phase '{_phase}'{why}", file=sys.stderr, flush=True)
+
+    return report
 
 
 def cuda_index(local_rank: int, device_count: int) -> int:
@@ -276,6 +318,7 @@ class StopSignal:
     def agreed(self):
         """Collective: the signal any rank got, else 0. All ranks must stop at the same step, or the ones that went on
         would hang in the next step's collectives."""
+        phase("end of step (stop signal check)")
         flag = torch.tensor([self.signum])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import mismatch
 import rollout
-from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
+from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts, stack_padded
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
@@ -73,6 +73,7 @@ from runtime import (
     exit_rank,
     max_over_ranks,
     mean_over_ranks,
+    phase,
     print0,
     print_banner,
     resolve_path,
@@ -208,6 +209,7 @@ class TrainerConfig:
     val_before_train: bool = True
     save_freq: int = 5  # checkpoint every this many steps; 0 = never
     save_limit: int = 3  # keep the newest N checkpoints; 0 keeps all
+    collective_timeout_s: float = 3600.0  # a rank waiting longer for the others in a collective ends the run (runtime)
     export_hf: bool = True  # at the end, write the model to <output_dir>/hf (LoRA: merged, + the adapter directory)
     resume: str = "auto"  # auto | none | PATH
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb; jsonl always on
@@ -337,6 +339,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         "rollout.val_n": r.val_n,
         "data.max_response_length": d.max_response_length,
         "data.val_batch_size": d.val_batch_size,
+        "trainer.collective_timeout_s": cfg.trainer.collective_timeout_s,
     }
     for name, value in positive.items():
         if value <= 0:
@@ -816,10 +819,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             logp, entropy = forward_logprobs(
                 model, batch_inputs, response_ids, cfg.rollout.temperature, True, entropy_grad=a.entropy_coef > 0
             )
-            old = _stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
+            old = stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
-            engine_logp = _stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
+            engine_logp = stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
             kinds = [mismatch.modality(prompts[samples[i].prompt_index]) for i in mb]
             mask, weights = mismatch.measure_and_correct(trainer_logp, engine_logp, mask, kinds, cfg.algorithm, stats)
@@ -834,9 +837,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             pg_term = aggregate_loss(pg, mask, **agg)
             loss = pg_term
             if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
-                kl = kl_penalty(
-                    logp, _stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty
-                )
+                kl = kl_penalty(logp, stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty)
                 kl_term = aggregate_loss(kl, mask, **agg)
                 loss = loss + cfg.algorithm.kl_coef * kl_term
                 stats["actor/kl"] += kl_term.item()
@@ -857,13 +858,6 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         optimizer.zero_grad(set_to_none=True)
         stats["actor/grad_norm"] = grad_norm.item()
         stats["actor/optimizer_steps"] += 1
-
-
-def _stack_padded(rows, t_len, device):
-    out = torch.zeros(len(rows), t_len, device=device)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row.to(device)
-    return out
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -959,6 +953,7 @@ def load_datasets(cfg, processor, rank, world):
 def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
     """Validate the trainer's current weights: an engine with its own copy must be brought up to them first (the
     step's update, or resumed weights before training). Collective."""
+    phase("validation")
     model.eval()
     engine.wake()
     engine.sync_weights(model)
@@ -989,9 +984,10 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
-    # answers whose grading hit reward.timeout this step, all ranks together
-    timeouts = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step")}
-    metrics.update(mean_over_ranks(timeouts, {"reward/timeouts_step": 1.0 / world}))
+    # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
+    fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
+    fails["reward/timeouts"] = float(scorer.n_timeouts)
+    metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")
         metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
@@ -1009,8 +1005,6 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
             "actor/optimizer_steps": n_updates,
             "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
             "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
-            "reward/timeouts": scorer.n_timeouts,
-            "reward/errors": scorer.n_errors,
         }
     )
     timings["time/step"] = time.perf_counter() - t_step
@@ -1061,7 +1055,7 @@ def main(argv=None):
     if dry_run:
         return 0
 
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(cfg.trainer.collective_timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     if rank == 0:
@@ -1119,7 +1113,7 @@ def main(argv=None):
 
         # ------------------------------------------------------------------------------------- rollout + reward
         # (scored as they come: dynamic sampling decides from the rewards whether to draw more prompts)
-        t0 = time.perf_counter()
+        t0 = phase("rollout")
         engine.wake()
         engine.sync_weights(model)
         batch, epoch, position = collect_rollouts(
@@ -1133,7 +1127,7 @@ def main(argv=None):
         timings.update(engine.timings)  # time/wake, time/weight_sync, time/sleep
 
         # ------------------------------------------------------------------------------------ old/ref log-probs
-        t0 = time.perf_counter()
+        t0 = phase("log-probs and advantages")
         guard = step == guard_step  # the guard compares the trainer's log-probs with the engine's: it needs them
         old_logps, ref_logps = compute_old_and_ref_logprobs(
             model, ref_model, prompts, samples, cfg, ids, need_old or guard
@@ -1150,7 +1144,7 @@ def main(argv=None):
             ref_logps = None  # the KL is in the reward now, not a loss term
 
         # ---------------------------------------------------------------------------------------- policy update
-        t0 = time.perf_counter()
+        t0 = phase("policy update")
         model.train()
         stats = dict.fromkeys(UPDATE_STATS, 0.0)
         for _ in range(a.ppo_epochs):
@@ -1162,6 +1156,7 @@ def main(argv=None):
 
         # ------------------------------------------------------------------------------------------------- log
         lr = scheduler.get_last_lr()[0]
+        phase("metrics")
         metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer)
 
         # --------------------------------------------------------------------------------------------- validate

@@ -146,6 +146,34 @@ def test_resume_exactly_at_an_epoch_boundary(tiny_model_dir, uninterrupted, tmp_
         assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
 
 
+def test_resume_from_a_checkpoint_of_the_format_before(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against checkpoints written before rank files held only tensors failing to load (their rank_R.pt holds
+    numpy's RNG state as an array, which weights_only=True refuses), or resuming other than the uninterrupted run.
+    (test_checkpoint_safety.py checks each random stream of such a file.)"""
+    import shutil
+
+    import numpy as np
+
+    data, reference = uninterrupted
+    old = tmp_path / "step_4"
+    shutil.copytree(os.path.join(reference, "checkpoints", "step_4"), old)
+    for rank in (0, 1):  # rewritten exactly as the save of the format before wrote them
+        new = torch.load(old / f"rank_{rank}.pt", weights_only=True)
+        torch.save({
+            "python_rng": (new["python_rng_version"], tuple(new["python_rng"].tolist()), new["python_gauss"]),
+            "numpy_rng": ("MT19937", new["numpy_rng"].numpy().astype(np.uint32), new["numpy_rng_pos"],
+                          *new["numpy_gauss"]),
+            "torch_rng": new["torch_rng"], "cuda_rng": new["cuda_rng"], "reward_counters": new["reward_counters"],
+        }, old / f"rank_{rank}.pt")  # fmt: skip
+    out = tmp_path / "from_old_format"
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, "trainer.max_steps=6", f"trainer.resume={old}"))
+    assert f"resumed from {old}" in stdout
+    resumed, expected = metrics(out), metrics(reference)[4:]
+    assert [r["step"] for r in resumed] == [5, 6]
+    for got, want in zip(resumed, expected):
+        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+
+
 def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     """Guards against a stop signal killing the run mid-step, losing the steps since the last save, or ranks
     disagreeing on the step to stop at (a hang)."""
@@ -245,3 +273,89 @@ def test_export_loads_with_vllm(tmp_path, request, lora):
         logits = model(input_ids=ids).logits[0, len(result["prompt_ids"]) - 1 : -1]  # (8, V)
     logp = logits.log_softmax(-1).gather(-1, torch.tensor(result["text_tokens"])[:, None])[:, 0]  # (8,)
     torch.testing.assert_close(logp, torch.tensor(result["text_logprobs"]), rtol=0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fault drills: a full disk, a rank killed in a save, a rank killed in a step, each a real launch that fails, then the
+# same command again. Chained on one output directory, so that 4 short launches cover the 3 drills and end with the
+# whole run equal to the uninterrupted one.
+
+DRILL_BOUND_S = 90  # from the fault to torchrun's exit: no rank may wait for a dead one
+
+
+def launch(args, fault="", kill_rank_after=None):
+    """torchrun of tests/fault_drill.py with FAULT_DRILL=fault; with kill_rank_after=(line start, rank), that rank is
+    sent SIGKILL as soon as the line appears. Returns (exit code, output, seconds from the fault to the exit)."""
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_DRILL": fault}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/fault_drill.py", *args[1:]]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, faulted = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if fault and faulted is None and ("Traceback" in line or "error:" in line):
+            faulted = time.monotonic()  # (roughly: the first sign of it in the output)
+        if kill_rank_after and faulted is None and line.startswith(kill_rank_after[0]):
+            os.kill(rank_pid(proc.pid, kill_rank_after[1]), signal.SIGKILL)
+            faulted = time.monotonic()
+    proc.wait(timeout=300)
+    return proc.returncode, "".join(lines), time.monotonic() - (faulted or time.monotonic())
+
+
+def rank_pid(torchrun_pid, rank):
+    """The pid of torchrun's worker with RANK=rank (its children are the ranks)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == torchrun_pid and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} under torchrun {torchrun_pid}")
+
+
+def test_fault_drills_full_disk_killed_save_killed_step(tiny_model_dir, uninterrupted, tmp_path):
+    """Guards against a save that fails on one rank hanging the others or damaging the last complete checkpoint,
+    against a partial checkpoint of a killed rank being taken for a whole one or left behind, against ranks waiting
+    forever for a killed one, and against a rerun after any of these not resuming exactly."""
+    data, reference = uninterrupted
+    out = tmp_path / "drills"
+    root = out / "checkpoints"
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=6", "trainer.save_freq=2", "trainer.save_limit=2")
+
+    # 1. Rank 1's disk fills up in the save of step 4: one clear error, step_2 untouched, the partial save removed.
+    code, output, seconds = launch(args, fault="disk_full:4:1")
+    assert code != 0 and seconds < DRILL_BOUND_S, output[-3000:]
+    assert "error: saving the checkpoint of step 4" in output and "(no space left on device)" in output, output[-3000:]
+    assert f"the last complete checkpoint, {root / 'step_2'}, is intact" in output
+    assert checkpoints(out) == ["step_2"]
+
+    # 2. The same command resumes from step_2; rank 1 is killed in the save of step 4 after writing its shards.
+    code, output, seconds = launch(args, fault="kill_in_save:4:1")
+    assert f"resumed from {root / 'step_2'}" in output, output[-3000:]
+    assert code != 0 and seconds < DRILL_BOUND_S, output[-3000:]
+    assert checkpoints(out) == [".tmp-step_4", "step_2"]
+    assert not checkpoint.is_complete_checkpoint(str(root / ".tmp-step_4"))
+    assert "__1_0.distcp" in os.listdir(root / ".tmp-step_4")  # a real partial save: the shards were written
+
+    # 3. Again: the partial save is skipped, and said so; rank 1 is killed in step 6, after step 4 was saved.
+    code, output, seconds = launch(args, kill_rank_after=("step 5/", 1))
+    assert "skipping incomplete checkpoint" in output and ".tmp-step_4" in output, output[-3000:]
+    assert f"resumed from {root / 'step_2'}" in output
+    assert code != 0 and seconds < DRILL_BOUND_S, output[-3000:]
+    assert checkpoints(out) == ["step_2", "step_4"]  # the partial directory is gone
+
+    # 4. Again, with no fault: it resumes from step_4 and the run's metrics are the uninterrupted run's.
+    code, output, _ = launch(args)
+    assert code == 0, output[-3000:]
+    assert f"resumed from {root / 'step_4'}" in output
+    resumed, expected = metrics(out), metrics(reference)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(resumed, expected):
+        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+    assert checkpoints(out) == ["step_4", "step_6"]
