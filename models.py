@@ -13,8 +13,8 @@
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
 
-A micro-batch comes from rollout.collate ([left-padded prompt | right-padded response] per row) or, with
-actor.padding_free, from rollout.pack (all sequences back to back in one row).
+A micro-batch comes from batching.collate ([left-padded prompt | right-padded response] per row) or, with
+actor.padding_free, from batching.pack (all sequences back to back in one row).
 """
 
 from __future__ import annotations
@@ -290,8 +290,8 @@ def text_after_vision_continues(model):
 
 def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens, host_types=None,
                      video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
-    """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
-    `host_types` (L,) says which tokens are image (1) and video (2) tokens (rollout.pack's mm_token_type_ids; without
+    """What forward_logprobs needs of a packed row (batching.pack), worked out once per micro-batch on the host.
+    `host_types` (L,) says which tokens are image (1) and video (2) tokens (batching.pack's mm_token_type_ids; without
     it, image tokens are found by their id); the videos' grids and, for Qwen2.5-VL, their seconds per temporal patch
     go to get_rope_index with the images'.
 
@@ -381,7 +381,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     for one that takes the hidden states that predict response tokens and returns the stack of log-prob and entropy
     as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
 
-    A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
+    A packed micro-batch (batching.pack) goes through the model as one row with per-sequence positions and no mask
     (varlen_packed or sdpa_packed keep attention inside each sequence, and a shared prompt visible to each of its
     answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
     device = compute_device(model)

@@ -25,7 +25,7 @@ Launch:
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
-(micro-batch planning and rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
+(micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
 backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan).
 """
 
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts
+from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
@@ -763,8 +763,8 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
     if packed:
-        return rollout.pack(mb_prompts, responses, image_token_id, share_prompts=shared)
-    return rollout.collate(mb_prompts, responses, pad_id, image_token_id)
+        return pack(mb_prompts, responses, image_token_id, share_prompts=shared)
+    return collate(mb_prompts, responses, pad_id, image_token_id)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
