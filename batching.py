@@ -134,12 +134,29 @@ def token_types(prompt, image_token_id: int) -> torch.Tensor:
     return (prompt.input_ids == image_token_id).long()
 
 
-def collate(prompts, responses, pad_id, image_token_id):
+def answer_types(length: int, turns) -> torch.Tensor:
+    """(R,) token types of an answer: text (0), except the image tokens of its tool turns (turns.ToolTurn)."""
+    types = torch.zeros(length, dtype=torch.long)
+    for turn in turns:
+        types[turn.start : turn.start + len(turn.input_ids)] = turn.token_types
+    return types
+
+
+def mask_tool_turns(mask_row: torch.Tensor, turns) -> None:
+    """Zero an answer's (T,) response-mask row over its tool turns: context, not the model's tokens, so no loss."""
+    for turn in turns:
+        mask_row[turn.start : turn.start + len(turn.input_ids)] = 0
+
+
+def collate(prompts, responses, pad_id, image_token_id, turns=None):
     """Lay each sequence out as [left-padded prompt | right-padded response]: every response starts at the same
-    column, so the model needs logits only for the last T + 1 positions.
+    column, so the model needs logits only for the last T + 1 positions. `turns`: per response, the tool turns inside
+    it (turns.ToolTurn; None: none): their image tokens are typed, their pixels follow the prompt's, their tokens are
+    out of the response mask.
 
     Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
     """
+    turns = turns or [[] for _ in responses]
     p_len = max(len(p.input_ids) for p in prompts)
     t_len = max(len(r) for r in responses)
     batch = len(prompts)
@@ -152,28 +169,33 @@ def collate(prompts, responses, pad_id, image_token_id):
         input_ids[i, start:p_len] = p.input_ids
         types[i, start:p_len] = token_types(p, image_token_id)
         input_ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        types[i, p_len : p_len + len(r)] = answer_types(len(r), turns[i])
         attention_mask[i, start : p_len + len(r)] = 1
         response_mask[i, : len(r)] = 1
+        mask_tool_turns(response_mask[i], turns[i])
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
-    return {**inputs, **stacked_images(prompts)}, input_ids[:, p_len:], response_mask
+    vision = [x for p, ts in zip(prompts, turns) for x in (p, *ts)]  # in token order: a prompt, its answer's turns
+    return {**inputs, **stacked_images(vision)}, input_ids[:, p_len:], response_mask
 
 
 def stacked_images(prompts) -> dict:
-    """The VISION_INPUTS of all the prompts' images and videos, each in prompt order (the order their tokens take in
-    the batch); an input no prompt has is left out."""
+    """The VISION_INPUTS of all the prompts' (and tool turns') images and videos, each in the order given (the order
+    their tokens take in the batch); an input none has is left out."""
     stacked = {}
     for key in VISION_INPUTS:
-        values = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
+        values = [getattr(p, key) for p in prompts if getattr(p, key, None) is not None]
         if values:
             stacked[key] = torch.cat(values)
     return stacked
 
 
-def pack(prompts, responses, image_token_id, share_prompts=False):
+def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
     """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
     `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
     [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
     each response see the prompt but not the other responses (models.PackedLayout).
+
+    `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
     `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
@@ -181,21 +203,25 @@ def pack(prompts, responses, image_token_id, share_prompts=False):
     needs: `prompt_lens` (G,) and `group_sizes` (G,) of the row's parts, `response_lens` (B,).
     """
     t_len = max(len(r) for r in responses)
+    turns = turns or [[] for _ in responses]
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, types, part_prompts, group_sizes = [], [], [], []
+    pieces, types, part_prompts, group_sizes, vision = [], [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
         if not (share_prompts and i > 0 and p is prompts[i - 1]):
             pieces.append(p.input_ids)
             types.append(token_types(p, image_token_id))
             part_prompts.append(p)
+            vision.append(p)
             group_sizes.append(0)
         pieces.append(r)
-        types.append(torch.zeros_like(r))  # answers are text: vision tokens are never sampled
+        types.append(answer_types(len(r), turns[i]))  # the model writes text: images come only in tool turns
+        vision += turns[i]
         group_sizes[-1] += 1
         response_ids[i, : len(r)] = r
         response_mask[i, : len(r)] = 1
+        mask_tool_turns(response_mask[i], turns[i])
     input_ids = torch.cat(pieces)[None]  # (1, L)
     inputs = {
         "input_ids": input_ids,
@@ -204,4 +230,12 @@ def pack(prompts, responses, image_token_id, share_prompts=False):
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
-    return {**inputs, **stacked_images(part_prompts)}, response_ids, response_mask
+    return {**inputs, **stacked_images(vision)}, response_ids, response_mask
+
+
+def stack_padded(rows, t_len, device):
+    """Per-sequence 1-D tensors as one (B, T) tensor, zero past each one's end."""
+    out = torch.zeros(len(rows), t_len, device=device)  # (B, T)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row.to(device)
+    return out

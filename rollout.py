@@ -39,6 +39,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 2048
+    stop_token_ids: tuple = ()  # besides end-of-sequence: a tool rollout's turn ends at </tool_call> (turns.py)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Prompt:
     videos: list = field(default_factory=list)  # video.Video: the frames and their timing
     # the chat template's tokens, one pad per image and video: what engines that expand the pads themselves get
     template_ids: list[int] | None = None
+    max_tokens: int | None = None  # fewer new tokens than SamplingParams.max_tokens (what a tool rollout has left)
 
 
 @dataclass
@@ -67,6 +69,14 @@ class Sample:
     logprobs: list[float]  # log-prob of each sampled token under the engine's model (temperature applied)
     text: str
     truncated: bool  # hit max_tokens before end-of-sequence
+    # the tool turns inside response_ids (turns.ToolTurn, in order): context the model did not write, whose tokens
+    # carry no log-prob (0 in `logprobs`) and no loss; empty for a plain answer
+    turns: list = field(default_factory=list)
+
+    @property
+    def model_len(self) -> int:
+        """The tokens the model wrote (those that carry loss)."""
+        return len(self.response_ids) - sum(len(t.input_ids) for t in self.turns)
 
 
 def encode_prompt(processor, example) -> Prompt:
@@ -142,7 +152,7 @@ class HFEngine:
             top_p=None if greedy else params.top_p,
             top_k=0,  # 0 disables it; None would fall back to the library default of 50
             max_new_tokens=params.max_tokens,
-            eos_token_id=sorted(self.eos_ids),
+            eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
             pad_token_id=self.pad_id,
             suppress_tokens=self.forbidden,
             use_cache=True,
@@ -157,6 +167,9 @@ class HFEngine:
             chunk_prompts = [prompts[i] for i in real] or filler
             answers = self._sample_chunk(chunk_prompts, gen_cfg, chunk_seed(seed, k), temperature, world)
             for i, (ids, logp, truncated) in zip(real, answers):
+                cap = prompts[i].max_tokens
+                if cap is not None and len(ids) > cap:  # one generate call has one length limit: cut to the prompt's
+                    ids, logp, truncated = ids[:cap], logp[:cap], True
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 samples.append(Sample(prompt_index=i, response_ids=ids, logprobs=logp, text=text, truncated=truncated))
         return samples
@@ -202,8 +215,9 @@ class HFEngine:
         with one_pass:
             sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []
+        stops = set(gen_cfg.eos_token_id)
         for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
-            end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
             responses.append(ids if end is None else ids[:end])
             truncated.append(end is None)
         del inputs, sequences  # the KV cache went with the call: the forward below has the memory to itself
@@ -445,8 +459,8 @@ class VLLMEngine:
         ):
             if most > limit:
                 raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
-        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos])
-                for p in prompts]  # fmt: skip
+        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos],
+                 min(params.max_tokens, p.max_tokens or params.max_tokens)) for p in prompts]  # fmt: skip
         groups = [(mine, seed)]
         if self.tp_group is not None:  # every member of a TP group must submit the same requests
             groups = [None] * self.tp
@@ -454,7 +468,7 @@ class VLLMEngine:
         requests, sampling = [], []
         greedy = params.temperature <= 0
         for member_prompts, member_seed in groups:
-            for i, (ids, images, videos) in enumerate(member_prompts):
+            for i, (ids, images, videos, max_tokens) in enumerate(member_prompts):
                 request = {"prompt_token_ids": ids}
                 mm_data = {"image": images, "video": videos}
                 if images or videos:
@@ -466,14 +480,15 @@ class VLLMEngine:
                         temperature=0.0 if greedy else params.temperature,
                         top_p=1.0 if greedy else params.top_p,
                         top_k=0,  # off, as in the HF engine and the trainer's log-probs
-                        max_tokens=params.max_tokens,
+                        max_tokens=max_tokens,
+                        stop_token_ids=list(params.stop_token_ids),
                         logprobs=0,  # the sampled token's log-prob only
                         logit_bias=self.logit_bias,
                         seed=request_seed(member_seed, i, n),
                         detokenize=False,  # decoded below exactly as the HF engine does
                     )
                 )
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []  # (a turn without calls)
         # the outputs follow the members' prompts in group order: keep this rank's own slice
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         start = sum(len(member_prompts) for member_prompts, _ in groups[:member])

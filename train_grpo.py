@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts
+import turns
+from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
@@ -179,6 +180,11 @@ class RolloutConfig:
     max_images_per_prompt: int = 1  # vllm reserves vision-encoder memory for this many images in one prompt
     max_videos_per_prompt: int = 0  # ... and this many videos (0: prompts with a video are refused)
     enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
+    tools: list[str] = field(default_factory=list)  # path/to/file.py:function tools the model may call (turns.py)
+    max_turns: int = 4  # with tools: most model turns in an answer (at most max_turns - 1 tool calls)
+    tool_timeout: float = 10.0  # seconds per tool call; a hang or a crash comes back to the model as an error
+    tool_workers: int = 1  # tool processes per rank
+    tool_prompt: str = ""  # system text offering the tools where the chat template cannot ({tools}); "" = tools.py's
 
 
 @dataclass
@@ -597,13 +603,6 @@ def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None
 # Phases of a step, each a named function so the loop in main() reads top to bottom.
 
 
-def next_indices(sampler, epoch, position, count):
-    """The next `count` prompts of this rank's shard; a new epoch (a new permutation) starts when the shard runs out."""
-    if position + count > len(sampler.indices(epoch)):
-        epoch, position = epoch + 1, 0
-    return sampler.indices(epoch)[position : position + count], epoch, position + count
-
-
 def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, position, cfg, step, timings):
     """Sample and score this rank's share of the rollout batch.
 
@@ -623,7 +622,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
     for round_ in range(rounds):
-        indices, epoch, position = next_indices(sampler, epoch, position, need)
+        indices, epoch, position = sampler.next_indices(epoch, position, need)
         batch = [train_set[i] for i in indices]
         batch_prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
         # a distinct, reproducible stream per step, round and rank (resumed runs sample exactly the same)
@@ -631,6 +630,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
         t0 = time.perf_counter()
         batch_samples = engine.generate(batch_prompts, r.n, params, seed=seed)
         timings["time/generate"] += time.perf_counter() - t0
+        stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts
         t0 = time.perf_counter()
         answers = [batch[s.prompt_index].answer for s in batch_samples]
         batch_results = scorer.score([s.text for s in batch_samples], answers)
@@ -679,7 +679,7 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
             batch_inputs, response_ids, mask = make_micro_batch(
                 prompts, samples, mb, ids, cfg.actor.padding_free, shares_prefixes(cfg.actor)
             )
-            lengths = mask.sum(1).long().tolist()
+            lengths = [len(samples[i].response_ids) for i in mb]  # (the mask has holes at tool turns)
             for out, m in ((old, model if need_old else None), (ref, ref_model)):
                 if m is not None:
                     off = adapters_disabled(m) if out is ref and m is model else contextlib.nullcontext()
@@ -762,9 +762,10 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     once when `shared`) or padded."""
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
+    tool_turns = [samples[i].turns for i in mb]  # tool turns inside answers: context, no loss (turns.py)
     if packed:
-        return pack(mb_prompts, responses, image_token_id, share_prompts=shared)
-    return collate(mb_prompts, responses, pad_id, image_token_id)
+        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns)
+    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
@@ -795,7 +796,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
         # full-batch mean (every rank reaches this all_reduce once per optimizer step).
         kept = [i for i in chunk if not (a.mask_truncated and samples[i].truncated)]
-        totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in kept)), float(len(kept))])
+        totals = torch.tensor([float(sum(samples[i].model_len for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
@@ -810,10 +811,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             logp, entropy = forward_logprobs(
                 model, batch_inputs, response_ids, cfg.rollout.temperature, True, entropy_grad=a.entropy_coef > 0
             )
-            old = _stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
+            old = stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
-            engine_logp = _stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
+            engine_logp = stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
             diff = (engine_logp - old).abs() * mask  # (B, T)
             stats["rollout/logprob_diff_sum"] += diff.sum().item()
             stats["rollout/logprob_diff_max"] = max(stats["rollout/logprob_diff_max"], diff.max().item())
@@ -831,9 +832,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             pg_term = aggregate_loss(pg, mask, **agg)
             loss = pg_term
             if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
-                kl = kl_penalty(
-                    logp, _stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty
-                )
+                kl = kl_penalty(logp, stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty)
                 kl_term = aggregate_loss(kl, mask, **agg)
                 loss = loss + cfg.algorithm.kl_coef * kl_term
                 stats["actor/kl"] += kl_term.item()
@@ -854,13 +853,6 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         optimizer.zero_grad(set_to_none=True)
         stats["actor/grad_norm"] = grad_norm.item()
         stats["actor/optimizer_steps"] += 1
-
-
-def _stack_padded(rows, t_len, device):
-    out = torch.zeros(len(rows), t_len, device=device)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row.to(device)
-    return out
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -929,7 +921,8 @@ def load_datasets(cfg, processor, rank, world):
         prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
         video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
         video_max_pixels=d.video_max_pixels,
-        format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
+        format_prompt=resolve_path(d.format_prompt) or None,
+        **turns.offer_tools(cfg.rollout, processor, d.system_prompt or None),  # the tools' offer, when there are any
         min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
         filter_overlong_prompts=d.filter_overlong_prompts,
     )  # fmt: skip
@@ -996,6 +989,8 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
     # answers whose grading hit reward.timeout this step, all ranks together
     timeouts = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step")}
+    if tool := {k: filter_stats.pop(k) for k in [k for k in filter_stats if k.startswith("tool/")]}:  # step totals
+        metrics.update(mean_over_ranks(tool, {**dict.fromkeys(tool, 1.0 / world), "tool/call_share": len(samples)}))
     metrics.update(mean_over_ranks(timeouts, {"reward/timeouts_step": 1.0 / world}))
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")
@@ -1090,7 +1085,7 @@ def main(argv=None):
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
-    engine = rollout.make_engine(cfg, processor)
+    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
