@@ -155,3 +155,19 @@ def test_turn_loop_on_the_hf_engine(tiny_tools_model_dir):
         torch.testing.assert_close(logp[row, end : len(s.response_ids)], torch.tensor(s.logprobs[end:]),
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
         assert mask[row, end : len(s.response_ids)].all() and not mask[row, :end][len(first[row]) :].any()
+
+
+def test_turn_loop_on_the_vllm_engine(tiny_tools_model_dir, tmp_path):
+    """Guards against a vLLM continuation that does not see the tool's image (its log-probs of the later tokens would
+    then differ from the trainer's, which has the image in the tool turn; a continuation with the pads expanded twice
+    would be refused), a stop token dropped from the answer (the loop would never find a call), and tool faults that
+    stop the vLLM loop. The bound is tests/test_vllm.py's for image prompts."""
+    from tests.launch import torchrun
+
+    out = tmp_path / "vllm_tools.json"
+    torchrun(1, "tests/vllm_tools_check.py", tiny_tools_model_dir, str(out))
+    result = json.loads(out.read_text())
+    assert result["stopped_at_stop"] >= result["answers"] - 1, result  # ~all stop at their first tokens
+    assert result["stats"]["tool/calls"] == 6 and result["stats"]["tool/timeout"] == 1, result["stats"]
+    assert result["tool_images"] == [1, 0, 0, 0, 0, 0] and min(result["later_tokens"]) > 0, result
+    assert max(result["diff"]) <= 0.05, result["diff"]
