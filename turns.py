@@ -17,7 +17,8 @@ The loop (`generate_with_tools`):
 3. each result becomes a tool turn (text and images in a `<tool_response>`, then the next assistant header), and
    the answer continues, in one batched engine call per turn, from the exact token ids the engine sampled plus the
    tool turn (never a re-tokenization of the model's text), with the images of every turn so far;
-4. until an answer ends without a call, the answer has had rollout.max_turns model turns, or the token budget
+4. until an answer ends without a call, the answer has had rollout.max_turns model turns (the last of which does
+   not stop at a call: it could not be answered), or the token budget
    (data.max_response_length, tool turns included) runs out; a tool turn that does not fit ends the answer where
    it called (truncated), so no answer is ever cut inside an image's tokens.
 Under torchrun every rank takes as many turns as the busiest one (the HF engine's forwards are collective, vLLM's
@@ -123,14 +124,18 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
     tokenizer = processor.tokenizer
     stop = tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
     image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    params = replace(params, stop_token_ids=(*params.stop_token_ids, stop), max_tokens=min(params.max_tokens, budget))
-    samples = engine.generate(prompts, n, params, seed)
+    # The last turn an answer may take does not stop at a call: no result could come back, so the model writes on
+    # (stopping or not leaves the distribution it samples from, and so the log-probs, as they are).
+    last = replace(params, max_tokens=min(params.max_tokens, budget))
+    calling = replace(last, stop_token_ids=(*params.stop_token_ids, stop))
+    only = next(iter(pool.fns)) if len(pool.fns) == 1 else None  # an empty call calls the only tool
+    samples = engine.generate(prompts, n, calling if max_turns > 1 else last, seed)
     stats = dict.fromkeys(("tool/calls", "tool/call_share", *FAULT_KEYS), 0.0)
     for turn in range(1, max_turns):
         calling = [s for s in samples if s.response_ids and s.response_ids[-1] == stop and not s.truncated]
         calls, results = [], {}
         for s in calling:
-            call, why = tools.parse_call(model_text(tokenizer, s, keep_special=True))
+            call, why = tools.parse_call(model_text(tokenizer, s, keep_special=True), only)
             if call is None:
                 results[id(s)] = tools.ToolResult(f"error: {why}", fault="malformed")
             else:
@@ -157,6 +162,7 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
         if busiest_rank(len(going)) == 0:
             break
         mine = [continuation(prompts[s.prompt_index], s, left, image_token_id) for s, left in going]
+        params = calling if turn + 1 < max_turns else last
         for (s, _), more in zip(going, engine.generate(mine, 1, params, turn_seed(seed, turn)), strict=True):
             s.response_ids = s.response_ids + more.response_ids
             s.logprobs = s.logprobs + more.logprobs

@@ -34,6 +34,10 @@ def test_parse_call():
     ):
         call, why = tools.parse_call(bad)
         assert call is None and why, bad
+    for empty in ("</tool_call>", "<tool_call> </tool_call>"):  # the one offered tool, without arguments
+        assert tools.parse_call(empty, only="reveal") == ({"name": "reveal", "arguments": {}}, None)
+        assert tools.parse_call(empty)[0] is None
+    assert tools.parse_call("x </tool_call>", only="reveal")[0] is None
 
 
 def test_crop_zooms_in_pixels_and_fractions():
@@ -130,7 +134,7 @@ def test_turn_loop_on_the_hf_engine(tiny_tools_model_dir):
                      "tool/timeout": 1}  # fmt: skip
     assert len(scripted.calls) == 2 and scripted.calls[1][0] == 6  # one batched call for the second turn
     stop = tok.convert_tokens_to_ids(tools.TOOL_CALL_END)
-    assert scripted.calls[1][1].stop_token_ids == (stop,)
+    assert scripted.calls[0][1].stop_token_ids == (stop,) and scripted.calls[1][1].stop_token_ids == ()  # the last turn
     image_token_id = model.config.image_token_id
     for s, ids in zip(samples, first):
         (turn,) = s.turns
