@@ -60,6 +60,15 @@ def load_tool(spec: str):
     return fn
 
 
+def tools_problem(specs: list[str]) -> str | None:
+    """Why the tools cannot be offered (a spec that does not load, a missing schema, two of one name), or None."""
+    try:
+        names = [load_tool(s).schema["name"] for s in specs]
+    except ValueError as e:
+        return str(e)
+    return f"two tools are named {max(names, key=names.count)!r}" if len(set(names)) < len(names) else None
+
+
 def schemas(specs: list[str]) -> list[dict]:
     """The tools' descriptions as chat templates take them (apply_chat_template(..., tools=...))."""
     return [{"type": "function", "function": load_tool(s).schema} for s in specs]

@@ -330,12 +330,15 @@ def check_config(cfg: Config, world_size: int) -> None:
         "actor.ppo_epochs": a.ppo_epochs,
         "actor.micro_batch_size_no_grad": a.micro_batch_size_no_grad,
         "rollout.val_n": r.val_n,
+        "rollout.max_turns": r.max_turns,
         "data.max_response_length": d.max_response_length,
         "data.val_batch_size": d.val_batch_size,
     }
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
+    if r.tools and (problem := turns.tools.tools_problem(r.tools)):  # a tool that cannot load or be shown to the model
+        raise ConfigError(f"rollout.tools: {problem}")
     if d.rollout_batch_size % world_size:
         raise ConfigError(
             f"data.rollout_batch_size={d.rollout_batch_size} prompts must split evenly over "

@@ -175,3 +175,16 @@ def test_turn_loop_on_the_vllm_engine(tiny_tools_model_dir, tmp_path):
     assert result["stats"]["tool/calls"] == 6 and result["stats"]["tool/timeout"] == 1, result["stats"]
     assert result["tool_images"] == [1, 0, 0, 0, 0, 0] and min(result["later_tokens"]) > 0, result
     assert max(result["diff"]) <= 0.05, result["diff"]
+
+
+def test_config_rejects_tools_that_cannot_be_offered():
+    """Guards against a run that loads its models before finding that a tool spec is wrong (a missing file or
+    function, a function without a schema, two tools of one name)."""
+    from train_grpo import ConfigError, check_config, load_config
+
+    check_config(load_config(None, ["rollout.tools=[tools.py:crop,tools.py:calculate]"]), 1)
+    for specs, message in (("[tools.py:nope]", "no function 'nope'"), ("[nofile.py:crop]", "not found"),
+                           ("[reward.py:first_digit]", "needs a `schema`"),
+                           ("[tools.py:crop,tools.py:crop]", "two tools are named 'crop'")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            check_config(load_config(None, [f"rollout.tools={specs}"]), 1)
