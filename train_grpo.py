@@ -986,9 +986,9 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
-    # |engine - trainer| log-prob of the sampled tokens, per response token of the whole batch
+    # |engine - trainer| log-prob of the sampled tokens, per token the model wrote (tool turns have none) of the batch
     diff = {"rollout/logprob_diff_mean": stats["rollout/logprob_diff_sum"] / a.ppo_epochs}
-    metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(lengths))}))
+    metrics.update(mean_over_ranks(diff, {"rollout/logprob_diff_mean": float(sum(s.model_len for s in samples))}))
     metrics.update(max_over_ranks({"rollout/logprob_diff_max": stats["rollout/logprob_diff_max"]}))
     # answers whose grading hit reward.timeout this step, all ranks together
     timeouts = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step")}
@@ -1001,7 +1001,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
         metrics["rollout/filter_rounds"] = rounds
     if cfg.algorithm.tis_cap > 0:
         tis = {k: stats[f"rollout/tis_{k}_sum"] / a.ppo_epochs for k in ("weight", "capped")}
-        tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(lengths))))
+        tis = mean_over_ranks(tis, dict.fromkeys(tis, float(sum(s.model_len for s in samples))))
         metrics.update({"rollout/tis_weight_mean": tis["weight"], "rollout/tis_capped_frac": tis["capped"]})
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
