@@ -143,6 +143,12 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
         seen = [[*prompts[s.prompt_index].images, *(img for t in s.turns for img in t.images)] for s, _ in calls]
         ran = pool.run([c for _, c in calls], seen)  # every image of the conversation so far
         results.update({id(s): r for (s, _), r in zip(calls, ran)})
+        limit = getattr(engine, "max_images", None)  # vLLM's per-request images (rollout.max_images_per_prompt)
+        for (s, _), images in zip(calls, seen):
+            if limit is not None and len(images) + len(results[id(s)].images) > limit:  # refused by vLLM otherwise
+                results[id(s)] = tools.ToolResult(
+                    f"error: the conversation may hold at most {limit} images", fault="error"
+                )
         going = []
         for s in calling:
             result = results[id(s)]

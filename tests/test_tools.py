@@ -188,3 +188,32 @@ def test_config_rejects_tools_that_cannot_be_offered():
                            ("[tools.py:crop,tools.py:crop]", "two tools are named 'crop'")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             check_config(load_config(None, [f"rollout.tools={specs}"]), 1)
+
+
+def test_tool_images_over_the_engines_limit_become_an_error(tiny_tools_model_dir):
+    """Guards against a continuation that carries more images than vLLM accepts in one request
+    (rollout.max_images_per_prompt): vLLM would refuse it and stop the step; the model gets an error message instead."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
+    tok = processor.tokenizer
+    call = tok('<tool_call>{"name": "crop", "arguments": {"box": [0, 0, 1, 1]}}</tool_call>')["input_ids"]
+
+    class OneImageEngine:
+        max_images = 1  # the prompt's image fills it
+
+        def generate(self, prompts, n, params, seed):
+            if params.stop_token_ids:  # the first turn: every answer calls
+                return [
+                    rollout.Sample(i // n, list(call), [0.0] * len(call), "", False) for i in range(len(prompts) * n)
+                ]
+            assert all(len(p.images) == 1 for p in prompts)
+            return [rollout.Sample(i, [5, 6], [-1.0, -1.0], "", False) for i in range(len(prompts))]
+
+    prompts = image_prompts(processor, 1)
+    params = rollout.SamplingParams(1.0, 1.0, 200)
+    with tools.ToolPool(SPECS[:1], timeout=0) as pool:
+        samples, stats = turns.generate_with_tools(OneImageEngine(), processor, pool, prompts, 2, params, 1,
+                                                   max_turns=2, budget=200, bounds=(56 * 56, 112 * 112))  # fmt: skip
+    assert stats["tool/error"] == 2 and all(not s.turns[0].images for s in samples)
+    assert "at most 1 images" in tok.decode(samples[0].turns[0].input_ids)
