@@ -86,13 +86,13 @@ def template_presents_tools(processor) -> bool:
 
 def parse_call(text: str, only: str | None = None) -> tuple[dict | None, str | None]:
     """The last `<tool_call>...</tool_call>` of a model turn as {"name", "arguments"}, or (None, why not). With
-    `only` (the name of the one tool offered), an empty call -- nothing between the markers, or a turn that is just
-    `</tool_call>` -- calls that tool without arguments: a shorthand a small model can learn from scratch (the tool
-    demo's random model could never write the JSON)."""
+    `only` (the name of the one tool offered), an empty call -- nothing between the markers, or a `</tool_call>` with
+    no `<tool_call>` before it in the turn -- calls that tool without arguments: a shorthand a small model can learn
+    from scratch (the tool demo's random model could never write the JSON)."""
     start, end = text.rfind(TOOL_CALL), text.rfind(TOOL_CALL_END)
     if end == -1 or end < start:
         return None, "no <tool_call>...</tool_call> found"
-    body = text[start + len(TOOL_CALL) if start != -1 else 0 : end].strip()
+    body = text[start + len(TOOL_CALL) : end].strip() if start != -1 else ""
     if only is not None and not body:
         return {"name": only, "arguments": {}}, None
     if start == -1:

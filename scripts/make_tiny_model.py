@@ -62,10 +62,13 @@ QWEN_SPECIAL_TOKENS = [
 # tokens, never split, but not special (decoding keeps them, as Qwen's tokenizers do). Only in a model built with
 # tools=True, so that the other tiny models (and the demos' figures) keep their vocabulary and weights.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
-# A random model would end a turn with </tool_call> about 1 time in 500: the tool demo needs calls to learn from (a
-# real model's tool-use tuning gives it them). This factor on that token's LM-head row makes it the first token of the
-# demo's answers about 1 time in 5 (sign and size measured for seed 0 at the demo's prompt).
-TOOL_CALL_SCALE = -100.0
+# A random model writes </tool_call> about 1 time in 500 tokens: the tool demo needs calls to learn from (a real
+# model's tool-use tuning gives it them). So every token's embedding carries a constant in hidden dimension 0, which
+# the final norm turns into a near-constant feature, and only </tool_call>'s LM-head row reads it: a logit offset of
+# TOOL_CALL_LOGIT at every position (~1.5% a token), which training moves as slowly as any weight. (Scaling the
+# token's row instead made every hidden-state change a large logit change: one Adam step flipped the random model
+# from calling in every answer to never calling.)
+TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 0.1, 1.85
 
 # Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
 # message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
@@ -400,6 +403,12 @@ FAMILIES = {
 }
 
 
+def _final_feature(model, tokenizer) -> float:
+    """Hidden dimension 0 after the final norm at the end of a generation prompt (TOOL_CALL_FEATURE's value there)."""
+    ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
+    return model.model.language_model(input_ids=ids).last_hidden_state[0, -1, 0].item()
+
+
 def build_tiny_model(
     out_dir: str, seed: int = 0, vocab_size: int = 400, family: str = "qwen2_5_vl", tools: bool = False
 ) -> str:
@@ -419,7 +428,10 @@ def build_tiny_model(
     model = model_class(config).to(torch.float32)
     if tools:
         with torch.no_grad():
-            model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1])] *= TOOL_CALL_SCALE
+            model.model.language_model.embed_tokens.weight[:, 0] = TOOL_CALL_FEATURE
+            feature = _final_feature(model, tokenizer)
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)

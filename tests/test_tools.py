@@ -34,10 +34,10 @@ def test_parse_call():
     ):
         call, why = tools.parse_call(bad)
         assert call is None and why, bad
-    for empty in ("</tool_call>", "<tool_call> </tool_call>"):  # the one offered tool, without arguments
+    for empty in ("</tool_call>", "<tool_call> </tool_call>", "x </tool_call>"):  # the one tool, without arguments
         assert tools.parse_call(empty, only="reveal") == ({"name": "reveal", "arguments": {}}, None)
         assert tools.parse_call(empty)[0] is None
-    assert tools.parse_call("x </tool_call>", only="reveal")[0] is None
+    assert tools.parse_call("<tool_call>x</tool_call>", only="reveal")[0] is None
 
 
 def test_crop_zooms_in_pixels_and_fractions():
