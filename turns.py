@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 import tools
-from data import fit_image, image_side
 from rollout import Prompt, Sample, engine_prompt_ids
 
 # The tool turn around a result, Qwen's way: the model's turn ends after its call, the result comes back in a user
@@ -60,6 +59,8 @@ class ToolTurn:
 def encode_turn(processor, result: tools.ToolResult, start: int, bounds: tuple[int, int]) -> ToolTurn:
     """The tool turn of a result. Its images are fitted to the data's pixel budget (data.fit_image), so the
     processor and vLLM turn each into the same number of tokens, as they do the prompt's."""
+    from data import fit_image, image_side  # (data.py's imports are the trainer's to make, when it reads data)
+
     side = image_side(processor.image_processor)
     images = [fit_image(img, *bounds, side) for img in result.images]
     text = TURN_OPEN + VISION_BLOCK * len(images) + result.text + TURN_CLOSE
