@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test demo demo-lora demo-vision demo-video bench lint tiny-assets clean
+.PHONY: venv test demo demo-lora demo-vision demo-video demo-tools bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -36,6 +36,13 @@ demo-vision: tiny-assets
 	$(PY) -c "from scripts.make_synthetic_data import make_colour_task as m; \
 		m('outputs/tiny_vision_data/train.parquet', 128, 0); m('outputs/tiny_vision_data/val.parquet', 32, 1)"
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_vision.yaml
+
+# a task only a tool's picture answers (the prompt's is blank); docs/tools.md says what it shows so far
+demo-tools: tiny-assets
+	$(PY) scripts/make_tiny_model.py outputs/tiny_tools_model --tools
+	$(PY) -c "from scripts.make_synthetic_data import make_tool_task as m; \
+		m('outputs/tiny_tools_data/train.parquet', 128, 0); m('outputs/tiny_tools_data/val.parquet', 32, 1)"
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_tools.yaml
 
 # a task whose answer is only in a video's frames (how many of 4 are red): accuracy must rise well above the blind 1/4
 demo-video: tiny-assets

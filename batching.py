@@ -1,12 +1,16 @@
-"""Micro-batch planning: which sequences go into each forward/backward, and which rank trains them.
+"""Micro-batches: which sequences go into each forward/backward, which rank trains them, and how they are laid out.
 
 - token_budget_micro_batches / plan_micro_batches: the fewest balanced bins under actor.max_tokens_per_micro_batch,
   as many on every rank (FSDP2's forwards and backwards are collectives).
 - rebalance_moves / balance_over_ranks: even out the ranks' token totals of an optimizer step by moving a few
   sequences, so no rank waits for the fullest one (actor.balance_ranks).
 - stack_padded: per-sequence rows (log-probs) as one zero-padded micro-batch tensor.
+- collate / pack: lay a micro-batch of prompts and answers out for the model's forward, padded
+  ([left-padded prompt | right-padded answer] per row) or packed (all sequences back to back in one row, optionally
+  each prompt once before its group's answers).
 
-The functions work on token counts and lists of items; the loop in train_grpo.py builds the micro-batches from them.
+The planning functions work on token counts and lists of items; the loop in train_grpo.py builds the micro-batches
+from them with collate or pack.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import math
 
 import torch
 import torch.distributed as dist
+
+# what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:
@@ -120,9 +127,116 @@ def shared_prefix_parts(groups: list[list[int]], prompt_lens: list[int], lengths
     return parts, costs
 
 
+def token_types(prompt, image_token_id: int) -> torch.Tensor:
+    """(P,) 0 text, 1 image, 2 video token: transformers 5.x builds the 3-D (mRoPE) positions only when told which
+    tokens are which, and spaces a video's temporal positions differently from an image's."""
+    if prompt.token_types is not None:
+        return prompt.token_types.long()
+    return (prompt.input_ids == image_token_id).long()
+
+
+def answer_types(length: int, turns) -> torch.Tensor:
+    """(R,) token types of an answer: text (0), except the image tokens of its tool turns (turns.ToolTurn)."""
+    types = torch.zeros(length, dtype=torch.long)
+    for turn in turns:
+        types[turn.start : turn.start + len(turn.input_ids)] = turn.token_types
+    return types
+
+
+def mask_tool_turns(mask_row: torch.Tensor, turns) -> None:
+    """Zero an answer's (T,) response-mask row over its tool turns: context, not the model's tokens, so no loss."""
+    for turn in turns:
+        mask_row[turn.start : turn.start + len(turn.input_ids)] = 0
+
+
+def collate(prompts, responses, pad_id, image_token_id, turns=None):
+    """Lay each sequence out as [left-padded prompt | right-padded response]: every response starts at the same
+    column, so the model needs logits only for the last T + 1 positions. `turns`: per response, the tool turns inside
+    it (turns.ToolTurn; None: none): their image tokens are typed, their pixels follow the prompt's, their tokens are
+    out of the response mask.
+
+    Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
+    """
+    turns = turns or [[] for _ in responses]
+    p_len = max(len(p.input_ids) for p in prompts)
+    t_len = max(len(r) for r in responses)
+    batch = len(prompts)
+    input_ids = torch.full((batch, p_len + t_len), pad_id, dtype=torch.long)  # (B, L)
+    types = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
+    attention_mask = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
+    response_mask = torch.zeros((batch, t_len), dtype=torch.float32)  # (B, T)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        start = p_len - len(p.input_ids)
+        input_ids[i, start:p_len] = p.input_ids
+        types[i, start:p_len] = token_types(p, image_token_id)
+        input_ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
+        types[i, p_len : p_len + len(r)] = answer_types(len(r), turns[i])
+        attention_mask[i, start : p_len + len(r)] = 1
+        response_mask[i, : len(r)] = 1
+        mask_tool_turns(response_mask[i], turns[i])
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
+    vision = [x for p, ts in zip(prompts, turns) for x in (p, *ts)]  # in token order: a prompt, its answer's turns
+    return {**inputs, **stacked_images(vision)}, input_ids[:, p_len:], response_mask
+
+
+def stacked_images(prompts) -> dict:
+    """The VISION_INPUTS of all the prompts' (and tool turns') images and videos, each in the order given (the order
+    their tokens take in the batch); an input none has is left out."""
+    stacked = {}
+    for key in VISION_INPUTS:
+        values = [getattr(p, key) for p in prompts if getattr(p, key, None) is not None]
+        if values:
+            stacked[key] = torch.cat(values)
+    return stacked
+
+
+def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
+    """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
+    `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
+    [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
+    each response see the prompt but not the other responses (models.PackedLayout).
+
+    `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
+
+    Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
+    `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
+    extra host-side entries from which models.forward_logprobs works out positions, attention and the logits it
+    needs: `prompt_lens` (G,) and `group_sizes` (G,) of the row's parts, `response_lens` (B,).
+    """
+    t_len = max(len(r) for r in responses)
+    turns = turns or [[] for _ in responses]
+    response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
+    response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
+    pieces, types, part_prompts, group_sizes, vision = [], [], [], [], []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        r = torch.as_tensor(r, dtype=torch.long)
+        if not (share_prompts and i > 0 and p is prompts[i - 1]):
+            pieces.append(p.input_ids)
+            types.append(token_types(p, image_token_id))
+            part_prompts.append(p)
+            vision.append(p)
+            group_sizes.append(0)
+        pieces.append(r)
+        types.append(answer_types(len(r), turns[i]))  # the model writes text: images come only in tool turns
+        vision += turns[i]
+        group_sizes[-1] += 1
+        response_ids[i, : len(r)] = r
+        response_mask[i, : len(r)] = 1
+        mask_tool_turns(response_mask[i], turns[i])
+    input_ids = torch.cat(pieces)[None]  # (1, L)
+    inputs = {
+        "input_ids": input_ids,
+        "mm_token_type_ids": torch.cat(types)[None],  # (1, L)
+        "prompt_lens": torch.tensor([len(p.input_ids) for p in part_prompts]),  # (G,)
+        "group_sizes": torch.tensor(group_sizes),  # (G,)
+        "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
+    }
+    return {**inputs, **stacked_images(vision)}, response_ids, response_mask
+
+
 def stack_padded(rows, t_len, device):
-    """1-D tensors as the rows of a (len(rows), t_len) tensor on `device`, zero-padded on the right."""
-    out = torch.zeros(len(rows), t_len, device=device)
+    """Per-sequence 1-D tensors as one (B, T) tensor, zero past each one's end."""
+    out = torch.zeros(len(rows), t_len, device=device)  # (B, T)
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row.to(device)
     return out

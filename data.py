@@ -329,6 +329,7 @@ class PromptDataset:
         video_key: str = "videos",
         format_prompt: str | None = None,
         system_prompt: str | None = None,
+        tools: list[dict] | None = None,
         min_pixels: int = 262144,
         max_pixels: int = 4194304,
         video_fps: float = 2.0,
@@ -350,6 +351,7 @@ class PromptDataset:
         self.template = jinja2.Template(Path(format_prompt).read_text()) if format_prompt else None
         self.prompt_key, self.answer_key, self.image_key, self.video_key = prompt_key, answer_key, image_key, video_key
         self.system_prompt = system_prompt
+        self.tools = {"tools": tools} if tools else {}  # the tools' schemas, for a chat template that presents them
 
         examples, sources, image_sizes, video_tokens = self.read_examples(specs)
         self.image_sources, self.video_sources = [s[0] for s in sources], [s[1] for s in sources]
@@ -440,7 +442,7 @@ class PromptDataset:
         ]
         if self.system_prompt and turns[0][0] != "system":  # a system turn in the data replaces the default one
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.tools)
         example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0)
         return example, (sources, v_sources), sizes, v_tokens
 
@@ -487,3 +489,10 @@ class ShardSampler:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         start = self.rank * self.num_per_rank
         return order[start : start + self.num_per_rank]
+
+    def next_indices(self, epoch: int, position: int, count: int) -> tuple[list[int], int, int]:
+        """The next `count` prompts of this rank's shard after `position` in `epoch`, and the new (epoch, position):
+        a new epoch (a new permutation) starts when the shard runs out."""
+        if position + count > len(self.indices(epoch)):
+            epoch, position = epoch + 1, 0
+        return self.indices(epoch)[position : position + count], epoch, position + count

@@ -1,7 +1,7 @@
 """Qwen3.5's linear-attention layers (gated DeltaNet) over a packed row.
 
 Each such layer is a causal depthwise convolution over the tokens, then a recurrence (the gated delta rule) whose state
-carries every earlier token forward. In a packed row (rollout.pack: sequences back to back, or a prompt followed by its
+carries every earlier token forward. In a packed row (batching.pack: sequences back to back, or a prompt followed by its
 answers) both must restart at every sequence, and an answer must start from exactly the state its prompt leaves, the
 one it would have in [prompt | answer]. transformers' own forward sees one long sequence (its torch convolution takes
 no sequence bounds), so on a packed call use_packed_forward's forward replaces it:

@@ -26,6 +26,13 @@ while awake: vLLM profiles its largest image and clip (rollout.max_images_per_pr
 data's budgets) at start and stops there if they do not fit. With rollout.max_videos_per_prompt set > 0 the plan says
 how many tokens one clip can take at the video budget (video_clip_tokens); at -1 (the data's most, known only once
 the data is read, after the plan) it does not.
+
+Tool rollouts (rollout.tools, turns.py) add no term of their own: an answer's tool turns, their images' tokens with
+them, count inside data.max_response_length (the turn loop stops an answer whose next tool turn would not fit), so
+every sequence stays within seq_len and every micro-batch within its token budget, whose worst case is already all
+vision tokens; each continuation turn is one more prompt of at most seq_len tokens to vLLM's KV cache or the HF
+engine's, as the first turn's was. What tools do change is how many images one vLLM request can carry: the prompt's
+and each turn's, which rollout.max_images_per_prompt must cover (the plan says how many turns it is counting).
 """
 
 from __future__ import annotations
@@ -314,6 +321,8 @@ class Settings:
     vllm_bytes: float = 0.0  # a CPU run: vLLM's weights and KV cache in bytes (there is no GPU share to take)
     video_clip_tokens: int = 0  # most vision tokens of one video at data.max_frames and data.video_max_pixels
     video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
+    tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
+    max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -616,6 +625,8 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         offload_params=a.offload_params,
         offload_optimizer=a.offload_optimizer,
         vllm_bytes=vllm_bytes,
+        tool_turns=r.max_turns - 1 if r.tools else 0,
+        max_images=r.max_images_per_prompt,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),
@@ -693,6 +704,11 @@ def format_plan(plan: Plan) -> str:
     if x.video_clip_tokens:
         lines.append(f"  videos     up to {x.video_clip_tokens} tokens a clip (data.max_frames, video_max_pixels), "
                      f"{x.video_pair_tokens} per pair of frames: counted above as vision tokens")  # fmt: skip
+    if x.tool_turns:
+        images = x.max_images if x.max_images >= 0 else "the data's most + 1 a tool turn:"
+        lines.append(f"  tools      up to {x.tool_turns} tool turns an answer, within its {x.response_len} tokens "
+                     f"(data.max_response_length); {images} images a request "
+                     "(rollout.max_images_per_prompt)")  # fmt: skip
     offloaded = {k: v for k, v in numbers["offloaded"].items() if v}
     if offloaded:
         moved = " + ".join(f"{k} {_gib(v)}" for k, v in offloaded.items())

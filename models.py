@@ -13,8 +13,8 @@
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
 
-A micro-batch comes from rollout.collate ([left-padded prompt | right-padded response] per row) or, with
-actor.padding_free, from rollout.pack (all sequences back to back in one row).
+A micro-batch comes from batching.collate ([left-padded prompt | right-padded response] per row) or, with
+actor.padding_free, from batching.pack (all sequences back to back in one row).
 """
 
 from __future__ import annotations
@@ -290,42 +290,58 @@ def text_after_vision_continues(model):
 
 def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens, host_types=None,
                      video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
-    """What forward_logprobs needs of a packed row (rollout.pack), worked out once per micro-batch on the host.
-    `host_types` (L,) says which tokens are image (1) and video (2) tokens (rollout.pack's mm_token_type_ids; without
+    """What forward_logprobs needs of a packed row (batching.pack), worked out once per micro-batch on the host.
+    `host_types` (L,) says which tokens are image (1) and video (2) tokens (batching.pack's mm_token_type_ids; without
     it, image tokens are found by their id); the videos' grids and, for Qwen2.5-VL, their seconds per temporal patch
     go to get_rope_index with the images'.
 
     The row holds parts [prompt | answer 1 | ... | answer k], k = group_sizes[g] (k = 1: a plain sequence). Returns
     - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width). Every answer gets the
       positions it would have right after its prompt, alone: each part's prompt with its longest answer goes
-      through the model's own get_rope_index, and an answer's tokens take the columns after the prompt (answers
-      hold text only -- vision tokens are never sampled -- whose positions run on from the prompt's);
+      through the model's own get_rope_index, and an answer's tokens take the columns after the prompt (text the
+      model wrote -- vision tokens are never sampled -- whose positions run on from the prompt's). A part whose
+      answers hold images (tool turns, turns.py) has one get_rope_index row per answer instead, as an image moves
+      the positions of what follows it;
     - keep (R,): the row positions whose hidden states predict the R answer tokens (an answer's first token is
       predicted by its prompt's last position, shared by the group), and targets (R,): the answer tokens' positions;
     - the PackedLayout of the row's segments."""
     if host_types is None:
         host_types = (host_ids == model.config.image_token_id).long()
-    parts, part_types, keep, targets, segments, column, part = [], [], [], [], [], [], []
+    # images that start before each position (an image is one run of image tokens): which grids a span's images own
+    image = (host_types == 1).long()
+    before = torch.cat([image.new_zeros(1), (image - torch.cat([image.new_zeros(1), image[:-1]])).clamp(min=0)])
+    before = before.cumsum(0).tolist()  # (L + 1,)
+    parts, part_types, keep, targets, segments, column, part, grid_rows = [], [], [], [], [], [], [], []
     offset, r = 0, 0
-    for g, (p_len, k) in enumerate(zip(prompt_lens.tolist(), group_sizes.tolist())):
+    for p_len, k in zip(prompt_lens.tolist(), group_sizes.tolist()):
         lens = response_lens[r : r + k].tolist()
         prompt_end = a = offset + p_len
-        longest = max(range(k), key=lambda j: lens[j])
-        longest_start = prompt_end + sum(lens[:longest])
-        for rows, out in ((host_ids, parts), (host_types, part_types)):
-            out.append(torch.cat([rows[offset:prompt_end], rows[longest_start : longest_start + lens[longest]]]))
+        starts = [prompt_end + sum(lens[:j]) for j in range(k)]
+        per_answer = any(host_types[s : s + n].any() for s, n in zip(starts, lens))  # tool turns' images
+        chosen = range(k) if per_answer else [max(range(k), key=lambda j: lens[j])]
+        if per_answer and k > 1 and host_types[offset:prompt_end].eq(2).any():
+            raise NotImplementedError("a shared video prompt whose answers hold tool images")
+        first_row = len(parts)
+        for j in chosen:
+            for rows, out in ((host_ids, parts), (host_types, part_types)):
+                out.append(torch.cat([rows[offset:prompt_end], rows[starts[j] : starts[j] + lens[j]]]))
+            grid_rows.append([*range(before[offset], before[prompt_end]),
+                              *range(before[starts[j]], before[starts[j] + lens[j]])])  # fmt: skip
         segments.append((offset, prompt_end + lens[0] if k == 1 else prompt_end, 0, 0))
         column += range(p_len)
-        for n in lens:
+        part += [first_row] * p_len
+        for j, n in enumerate(lens):
             keep += [prompt_end - 1, *range(a, a + n - 1)]
             targets += range(a, a + n)
             column += range(p_len, p_len + n)
+            part += [first_row + j if per_answer else first_row] * n
             if k > 1:
                 segments.append((a, a + n, offset, prompt_end))
             a += n
-        part += [g] * (a - offset)
         offset, r = a, r + k
-    # each part's (prompt | longest answer) as a padded batch: what get_rope_index takes
+    if image_grid_thw is not None:  # each row's images, a prompt's again in each row it starts
+        image_grid_thw = image_grid_thw[[i for row in grid_rows for i in row]]
+    # the rows (a part's prompt with its longest answer, or with each answer) as a padded batch for get_rope_index
     width = max(len(x) for x in parts)
     ids = torch.zeros(len(parts), width, dtype=host_ids.dtype)  # (G, W)
     types = torch.zeros(len(parts), width, dtype=torch.long)  # (G, W): 0 text, 1 image, 2 video
@@ -381,7 +397,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     for one that takes the hidden states that predict response tokens and returns the stack of log-prob and entropy
     as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
 
-    A packed micro-batch (rollout.pack) goes through the model as one row with per-sequence positions and no mask
+    A packed micro-batch (batching.pack) goes through the model as one row with per-sequence positions and no mask
     (varlen_packed or sdpa_packed keep attention inside each sequence, and a shared prompt visible to each of its
     answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
     device = compute_device(model)

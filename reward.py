@@ -340,9 +340,9 @@ def _worker_main(conn, fn_spec: str) -> None:
 class _Worker:
     """One grading process, the pipe to it, and the item it is grading (index, deadline)."""
 
-    def __init__(self, ctx, fn_spec: str):
+    def __init__(self, ctx, fn_spec: str, main=_worker_main):
         self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_conn, fn_spec), daemon=True)
+        self.proc = ctx.Process(target=main, args=(child_conn, fn_spec), daemon=True)
         self.proc.start()
         child_conn.close()  # keep only the child's copy, so its exit shows up here as EOF
         self.ready = False
@@ -380,7 +380,10 @@ class RewardScorer:
     The reward function is named by spec and loaded inside each worker, so it never has to be picklable.
     With timeout None or 0 the function is called directly in this process: cheap, but unbounded.
     Like any spawn user, the trainer's main script needs an `if __name__ == "__main__":` guard.
+    (tools.ToolPool runs tool calls in the same machinery, with its own `worker_main`.)
     """
+
+    worker_main = staticmethod(_worker_main)  # the loop a worker process runs
 
     def __init__(self, fn_spec: str = DEFAULT_SPEC, timeout: float | None = 5.0, num_workers: int = 1):
         path, name = resolve_spec(fn_spec)
@@ -423,7 +426,7 @@ class RewardScorer:
         todo = deque(range(len(items)))
         try:
             while len(self._workers) < self.num_workers:
-                self._workers.append(_Worker(self._ctx, self.fn_spec))
+                self._workers.append(_Worker(self._ctx, self.fn_spec, self.worker_main))
             while todo or any(w.index is not None for w in self._workers):
                 for w in self._workers:
                     if w.idle and todo:
@@ -471,7 +474,7 @@ class RewardScorer:
                 else:
                     self._record_error(payload)
                 w.kill()
-                self._workers[k] = _Worker(self._ctx, self.fn_spec)
+                self._workers[k] = _Worker(self._ctx, self.fn_spec, self.worker_main)
 
     def _record_error(self, message: str) -> None:
         self.n_errors += 1

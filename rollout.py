@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import lora
 import models
+from batching import VISION_INPUTS, collate, pack
 from quiet import filtered_stderr, quiet_logs
 from video import video_processor_size
 
@@ -41,6 +42,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 2048
+    stop_token_ids: tuple = ()  # besides end-of-sequence: a tool rollout's turn ends at </tool_call> (turns.py)
 
 
 @dataclass
@@ -60,10 +62,7 @@ class Prompt:
     videos: list = field(default_factory=list)  # video.Video: the frames and their timing
     # the chat template's tokens, one pad per image and video: what engines that expand the pads themselves get
     template_ids: list[int] | None = None
-
-
-# what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
-VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+    max_tokens: int | None = None  # fewer new tokens than SamplingParams.max_tokens (what a tool rollout has left)
 
 
 @dataclass
@@ -73,6 +72,14 @@ class Sample:
     logprobs: list[float]  # log-prob of each sampled token under the engine's model (temperature applied)
     text: str
     truncated: bool  # hit max_tokens before end-of-sequence
+    # the tool turns inside response_ids (turns.ToolTurn, in order): context the model did not write, whose tokens
+    # carry no log-prob (0 in `logprobs`) and no loss; empty for a plain answer
+    turns: list = field(default_factory=list)
+
+    @property
+    def model_len(self) -> int:
+        """The tokens the model wrote (those that carry loss)."""
+        return len(self.response_ids) - sum(len(t.input_ids) for t in self.turns)
 
 
 def encode_prompt(processor, example) -> Prompt:
@@ -89,93 +96,12 @@ def encode_prompt(processor, example) -> Prompt:
     )  # fmt: skip
 
 
-def token_types(prompt: Prompt, image_token_id: int) -> torch.Tensor:
-    """(P,) 0 text, 1 image, 2 video token: transformers 5.x builds the 3-D (mRoPE) positions only when told which
-    tokens are which, and spaces a video's temporal positions differently from an image's."""
-    if prompt.token_types is not None:
-        return prompt.token_types.long()
-    return (prompt.input_ids == image_token_id).long()
-
-
 def vision_token_ids(tokenizer, tokens=models.VISION_TOKENS) -> list[int]:
     """Ids of the family's vision special tokens (models.Family.vision_tokens): sampling one would put an image
     placeholder into a response, and the next training forward fails with "Image features and image tokens do not
     match". They are forbidden at every sampling step."""
     vocab = tokenizer.get_vocab()
     return sorted(vocab[t] for t in tokens if t in vocab)
-
-
-def collate(prompts, responses, pad_id, image_token_id):
-    """Lay each sequence out as [left-padded prompt | right-padded response]: every response starts at the same
-    column, so the model needs logits only for the last T + 1 positions.
-
-    Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
-    """
-    p_len = max(len(p.input_ids) for p in prompts)
-    t_len = max(len(r) for r in responses)
-    batch = len(prompts)
-    input_ids = torch.full((batch, p_len + t_len), pad_id, dtype=torch.long)  # (B, L)
-    types = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
-    attention_mask = torch.zeros((batch, p_len + t_len), dtype=torch.long)  # (B, L)
-    response_mask = torch.zeros((batch, t_len), dtype=torch.float32)  # (B, T)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        start = p_len - len(p.input_ids)
-        input_ids[i, start:p_len] = p.input_ids
-        types[i, start:p_len] = token_types(p, image_token_id)
-        input_ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
-        attention_mask[i, start : p_len + len(r)] = 1
-        response_mask[i, : len(r)] = 1
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
-    return {**inputs, **stacked_images(prompts)}, input_ids[:, p_len:], response_mask
-
-
-def stacked_images(prompts) -> dict:
-    """The VISION_INPUTS of all the prompts' images and videos, each in prompt order (the order their tokens take in
-    the batch); an input no prompt has is left out."""
-    stacked = {}
-    for key in VISION_INPUTS:
-        values = [getattr(p, key) for p in prompts if getattr(p, key) is not None]
-        if values:
-            stacked[key] = torch.cat(values)
-    return stacked
-
-
-def pack(prompts, responses, image_token_id, share_prompts=False):
-    """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
-    `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
-    [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
-    each response see the prompt but not the other responses (models.PackedLayout).
-
-    Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
-    `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
-    extra host-side entries from which models.forward_logprobs works out positions, attention and the logits it
-    needs: `prompt_lens` (G,) and `group_sizes` (G,) of the row's parts, `response_lens` (B,).
-    """
-    t_len = max(len(r) for r in responses)
-    response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
-    response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, types, part_prompts, group_sizes = [], [], [], []
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        r = torch.as_tensor(r, dtype=torch.long)
-        if not (share_prompts and i > 0 and p is prompts[i - 1]):
-            pieces.append(p.input_ids)
-            types.append(token_types(p, image_token_id))
-            part_prompts.append(p)
-            group_sizes.append(0)
-        pieces.append(r)
-        types.append(torch.zeros_like(r))  # answers are text: vision tokens are never sampled
-        group_sizes[-1] += 1
-        response_ids[i, : len(r)] = r
-        response_mask[i, : len(r)] = 1
-    input_ids = torch.cat(pieces)[None]  # (1, L)
-    inputs = {
-        "input_ids": input_ids,
-        "mm_token_type_ids": torch.cat(types)[None],  # (1, L)
-        "prompt_lens": torch.tensor([len(p.input_ids) for p in part_prompts]),  # (G,)
-        "group_sizes": torch.tensor(group_sizes),  # (G,)
-        "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
-    }
-    return {**inputs, **stacked_images(part_prompts)}, response_ids, response_mask
 
 
 class HFEngine:
@@ -229,7 +155,7 @@ class HFEngine:
             top_p=None if greedy else params.top_p,
             top_k=0,  # 0 disables it; None would fall back to the library default of 50
             max_new_tokens=params.max_tokens,
-            eos_token_id=sorted(self.eos_ids),
+            eos_token_id=sorted(self.eos_ids | set(params.stop_token_ids)),
             pad_token_id=self.pad_id,
             suppress_tokens=self.forbidden,
             use_cache=True,
@@ -244,6 +170,9 @@ class HFEngine:
             chunk_prompts = [prompts[i] for i in real] or filler
             answers = self._sample_chunk(chunk_prompts, gen_cfg, chunk_seed(seed, k), temperature, world)
             for i, (ids, logp, truncated) in zip(real, answers):
+                cap = prompts[i].max_tokens
+                if cap is not None and len(ids) > cap:  # one generate call has one length limit: cut to the prompt's
+                    ids, logp, truncated = ids[:cap], logp[:cap], True
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 samples.append(Sample(prompt_index=i, response_ids=ids, logprobs=logp, text=text, truncated=truncated))
         return samples
@@ -289,8 +218,9 @@ class HFEngine:
         with one_pass:
             sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
         responses, truncated = [], []
+        stops = set(gen_cfg.eos_token_id)
         for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
-            end = next((t + 1 for t, tok in enumerate(ids) if tok in self.eos_ids), None)
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
             responses.append(ids if end is None else ids[:end])
             truncated.append(end is None)
         del inputs, sequences  # the KV cache went with the call: the forward below has the memory to itself
@@ -511,8 +441,8 @@ class VLLMEngine:
         ):
             if most > limit:
                 raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
-        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos])
-                for p in prompts]  # fmt: skip
+        mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos],
+                 min(params.max_tokens, p.max_tokens or params.max_tokens)) for p in prompts]  # fmt: skip
         groups = [(mine, seed)]
         if self.tp_group is not None:  # every member of a TP group must submit the same requests
             groups = [None] * self.tp
@@ -520,7 +450,7 @@ class VLLMEngine:
         requests, sampling = [], []
         greedy = params.temperature <= 0
         for member_prompts, member_seed in groups:
-            for i, (ids, images, videos) in enumerate(member_prompts):
+            for i, (ids, images, videos, max_tokens) in enumerate(member_prompts):
                 request = {"prompt_token_ids": ids}
                 mm_data = {"image": images, "video": videos}
                 if images or videos:
@@ -532,14 +462,15 @@ class VLLMEngine:
                         temperature=0.0 if greedy else params.temperature,
                         top_p=1.0 if greedy else params.top_p,
                         top_k=0,  # off, as in the HF engine and the trainer's log-probs
-                        max_tokens=params.max_tokens,
+                        max_tokens=max_tokens,
+                        stop_token_ids=list(params.stop_token_ids),
                         logprobs=0,  # the sampled token's log-prob only
                         logit_bias=self.logit_bias,
                         seed=request_seed(member_seed, i, n),
                         detokenize=False,  # decoded below exactly as the HF engine does
                     )
                 )
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []  # (a turn without calls)
         # the outputs follow the members' prompts in group order: keep this rank's own slice
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         start = sum(len(member_prompts) for member_prompts, _ in groups[:member])
@@ -577,7 +508,7 @@ def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
     left at -1 becomes the data's most (written back into rollout_cfg), an explicit one is kept, and one below the
     data's most stops the run before the models load (vLLM would refuse such a prompt only at the rollout that
     draws it). Data with neither images nor videos keeps one image: with both limits 0 vLLM would build no vision
-    tower, and the weight sync sends one."""
+    tower, and the weight sync sends one. With tools, each tool turn may bring one image more (crop returns one)."""
 
     def rows(dataset, sources):  # each prompt's image or video sources; a Subset (validation) has only its own
         whole = getattr(getattr(dataset, "dataset", dataset), sources)
@@ -586,6 +517,8 @@ def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
     most = {what: max((len(s) for d in datasets if d is not None for s in rows(d, f"{what[:5]}_sources")), default=0)
             for what in ("images", "videos")}  # fmt: skip
     auto = {"images": most["images"] or int(not most["videos"]), "videos": most["videos"]}
+    if rollout_cfg.tools:  # the prompt's images and one from each tool turn go to vLLM in one request
+        auto["images"] = most["images"] + rollout_cfg.max_turns - 1
     for what, count in most.items():
         key = f"max_{what}_per_prompt"
         limit = getattr(rollout_cfg, key)

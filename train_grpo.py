@@ -25,9 +25,9 @@ Launch:
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
-(micro-batch planning and rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
+(micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
 backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
-mismatch.py (engine/trainer mismatch: measured per modality, a guard at the start, verl's corrections).
+mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 import mismatch
 import rollout
-from batching import balance_over_ranks, plan_micro_batches, shared_prefix_parts, stack_padded
+import turns
+from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
@@ -189,6 +190,11 @@ class RolloutConfig:
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
     max_videos_per_prompt: int = -1  # ... and this many videos; -1 = the data's most (both read before vllm starts)
     enforce_eager: bool = False  # vllm: no CUDA graphs (slower decoding, faster start); always eager on CPU
+    tools: list[str] = field(default_factory=list)  # path/to/file.py:function tools the model may call (turns.py)
+    max_turns: int = 4  # with tools: most model turns in an answer (at most max_turns - 1 tool calls)
+    tool_timeout: float = 10.0  # seconds per tool call; a hang or a crash comes back to the model as an error
+    tool_workers: int = 1  # tool processes per rank
+    tool_prompt: str = ""  # system text offering the tools where the chat template cannot ({tools}); "" = tools.py's
 
 
 @dataclass
@@ -337,6 +343,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         "actor.ppo_epochs": a.ppo_epochs,
         "actor.micro_batch_size_no_grad": a.micro_batch_size_no_grad,
         "rollout.val_n": r.val_n,
+        "rollout.max_turns": r.max_turns,
         "data.max_response_length": d.max_response_length,
         "data.val_batch_size": d.val_batch_size,
         "trainer.collective_timeout_s": cfg.trainer.collective_timeout_s,
@@ -344,6 +351,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
+    if r.tools and (problem := turns.tools.tools_problem(r.tools)):  # a tool that cannot load or be shown to the model
+        raise ConfigError(f"rollout.tools: {problem}")
     if d.rollout_batch_size % world_size:
         raise ConfigError(
             f"data.rollout_batch_size={d.rollout_batch_size} prompts must split evenly over "
@@ -606,13 +615,6 @@ def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None
 # Phases of a step, each a named function so the loop in main() reads top to bottom.
 
 
-def next_indices(sampler, epoch, position, count):
-    """The next `count` prompts of this rank's shard; a new epoch (a new permutation) starts when the shard runs out."""
-    if position + count > len(sampler.indices(epoch)):
-        epoch, position = epoch + 1, 0
-    return sampler.indices(epoch)[position : position + count], epoch, position + count
-
-
 def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, position, cfg, step, timings):
     """Sample and score this rank's share of the rollout batch.
 
@@ -632,7 +634,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
     for round_ in range(rounds):
-        indices, epoch, position = next_indices(sampler, epoch, position, need)
+        indices, epoch, position = sampler.next_indices(epoch, position, need)
         batch = [train_set[i] for i in indices]
         batch_prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
         # a distinct, reproducible stream per step, round and rank (resumed runs sample exactly the same)
@@ -640,6 +642,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
         t0 = time.perf_counter()
         batch_samples = engine.generate(batch_prompts, r.n, params, seed=seed)
         timings["time/generate"] += time.perf_counter() - t0
+        stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts
         t0 = time.perf_counter()
         answers = [batch[s.prompt_index].answer for s in batch_samples]
         batch_results = scorer.score([s.text for s in batch_samples], answers)
@@ -688,7 +691,7 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
             batch_inputs, response_ids, mask = make_micro_batch(
                 prompts, samples, mb, ids, cfg.actor.padding_free, shares_prefixes(cfg.actor)
             )
-            lengths = mask.sum(1).long().tolist()
+            lengths = [len(samples[i].response_ids) for i in mb]  # (the mask has holes at tool turns)
             for out, m in ((old, model if need_old else None), (ref, ref_model)):
                 if m is not None:
                     off = adapters_disabled(m) if out is ref and m is model else contextlib.nullcontext()
@@ -771,9 +774,10 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     once when `shared`) or padded."""
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
+    tool_turns = [samples[i].turns for i in mb]  # tool turns inside answers: context, no loss (turns.py)
     if packed:
-        return rollout.pack(mb_prompts, responses, image_token_id, share_prompts=shared)
-    return rollout.collate(mb_prompts, responses, pad_id, image_token_id)
+        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns)
+    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
@@ -804,7 +808,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
         # full-batch mean (every rank reaches this all_reduce once per optimizer step).
         kept = [i for i in chunk if not (a.mask_truncated and samples[i].truncated)]
-        totals = torch.tensor([float(sum(len(samples[i].response_ids) for i in kept)), float(len(kept))])
+        totals = torch.tensor([float(sum(samples[i].model_len for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
@@ -923,7 +927,8 @@ def load_datasets(cfg, processor, rank, world):
         prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
         video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
         video_max_pixels=d.video_max_pixels,
-        format_prompt=resolve_path(d.format_prompt) or None, system_prompt=d.system_prompt or None,
+        format_prompt=resolve_path(d.format_prompt) or None,
+        **turns.offer_tools(cfg.rollout, processor, d.system_prompt or None),  # the tools' offer, when there are any
         min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
         filter_overlong_prompts=d.filter_overlong_prompts,
     )  # fmt: skip
@@ -988,6 +993,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
     fails["reward/timeouts"] = float(scorer.n_timeouts)
     metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
+    metrics.update(turns.step_metrics(filter_stats, len(samples)))  # tool calls and faults, when tools are on
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")
         metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
@@ -1076,7 +1082,7 @@ def main(argv=None):
     processor = AutoProcessor.from_pretrained(a.model_path)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)  # (host memory only)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
-    engine = rollout.make_engine(cfg, processor)
+    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
     workers = cfg.reward.num_workers or default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

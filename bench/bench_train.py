@@ -2,9 +2,9 @@
 side by side in one run.
 
 1. Step time, padded vs packed: forward (the trainer's forward_logprobs) + backward of a token-mean loss over one
-   rank's rollout batch. Padded = micro-batches of `--micro-batch-size` sequences laid out by rollout.collate, each
+   rank's rollout batch. Padded = micro-batches of `--micro-batch-size` sequences laid out by batching.collate, each
    padded to its longest prompt and response; packed = token-budget micro-batches (batching.plan_micro_batches's
-   partition) laid out by rollout.pack, no pad tokens, attention kept inside each sequence.
+   partition) laid out by batching.pack, no pad tokens, attention kept inside each sequence.
 2. Peak memory, naive vs chunked log-probs: the full (B, T, V) fp32 logits then log_softmax, against the trainer's
    chunked LM head, on one padded micro-batch.
 3. Step time, packed vs shared prefix: the same token budget, but each group's prompt once per
@@ -202,7 +202,7 @@ def run_variant(args):
     if args.variant in ("naive", "chunked"):  # one padded micro-batch, as the trainer pads it
         lengths = sample_lengths(-(-args.mem_rows // args.n), args.n, args.seed)[: args.mem_rows]
         prompts, samples = build_rollout(lengths)
-        batch = rollout.collate([prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], 0,
+        batch = batching.collate([prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], 0,
                                 IMAGE_TOKEN)  # fmt: skip
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)

@@ -43,6 +43,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import batching  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
@@ -260,10 +261,10 @@ def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
         responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (response_tokens, 37, 300, 5)]
         diffs = {"attention": model.config._attn_implementation}
         with torch.no_grad():
-            padded, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
+            padded, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
             want = models.forward_logprobs(model, padded, response_ids, 1.0)[0]
             for name, shared in (("packed", False), ("shared_prefix", True)):
-                packed = rollout.pack(prompts, responses, image_token_id, share_prompts=shared)[0]
+                packed = batching.pack(prompts, responses, image_token_id, share_prompts=shared)[0]
                 got = models.forward_logprobs(model, packed, response_ids, 1.0)[0]
                 diff = (got - want).abs()[mask.to(device).bool()]
                 diffs[name] = {"max": diff.max().item(), "mean": diff.mean().item()}

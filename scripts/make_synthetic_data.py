@@ -136,6 +136,42 @@ def make_colour_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int =
     return str(out_path)
 
 
+# The tool demo's task: the colour task, except that the prompt's picture is blank and only the tool `reveal` shows
+# the colour. The blank is a grey whose level says which picture the tool returns (BLANK_GREY - k for colour k + 1):
+# 1/255 apart, nothing a model can read (the demo's test checks the start is blind), so a model that answers without
+# calling the tool is right 1 time in 4 at best, and one that calls it sees the picture in the tool's turn.
+BLANK_GREY = 200
+TOOL_QUESTION = "<image>Which colour is the picture? Answer with its number: 1 red, 2 green, 3 blue, 4 yellow."
+
+
+def make_tool_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int = 56) -> str:
+    """Write `n_rows` rows of the tool task (answers balanced and shuffled) to `out_path` (parquet); the path."""
+    rng = random.Random(seed)
+    answers = [list(COLOURS)[i % len(COLOURS)] for i in range(n_rows)]
+    rng.shuffle(answers)
+    rows = []
+    for answer in answers:
+        grey = BLANK_GREY - list(COLOURS).index(answer)
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), (grey, grey, grey)).save(buf, format="PNG")
+        rows.append({"problem": TOOL_QUESTION, "answer": answer, "images": [{"bytes": buf.getvalue(), "path": None}]})
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out_path)
+    return str(out_path)
+
+
+def reveal(arguments: dict, images: list):
+    """The tool demo's tool: the picture behind the prompt's blank (its grey level names the colour)."""
+    k = BLANK_GREY - images[0].getpixel((0, 0))[0]
+    if not 0 <= k < len(COLOURS):
+        raise ValueError("the first image is not a tool-demo blank")
+    return Image.new("RGB", images[0].size, list(COLOURS.values())[k])
+
+
+reveal.schema = {"name": "reveal", "description": "Shows the picture behind the blank image.",
+                 "parameters": {"type": "object", "properties": {}}}  # fmt: skip
+
+
 # The video demo's task: a clip of FRAMES frames, of which 1 to FRAMES are red and the rest white, in a random order;
 # the answer is how many are red. Every row's text is the same: a model that ignores the frames is right 1 time in
 # FRAMES at best. (Qwen's towers merge frames in pairs, so the count is spread over the clip's temporal tokens.)

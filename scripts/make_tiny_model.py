@@ -58,6 +58,18 @@ QWEN_SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
+# Qwen2.5/Qwen3's tool-call markers (151657, 151658 in the real vocabulary, right after the vision tokens): added
+# tokens, never split, but not special (decoding keeps them, as Qwen's tokenizers do). Only in a model built with
+# tools=True, so that the other tiny models (and the demos' figures) keep their vocabulary and weights.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+# A random model writes </tool_call> about 1 time in 500 tokens: the tool demo needs calls to learn from (a real
+# model's tool-use tuning gives it them). So every token's embedding carries a constant in hidden dimension 0, which
+# the final norm turns into a near-constant feature, and only </tool_call>'s LM-head row reads it: a logit offset of
+# TOOL_CALL_LOGIT at every position (~1.5% a token), which training moves as slowly as any weight. (Scaling the
+# token's row instead made every hidden-state change a large logit change: one Adam step flipped the random model
+# from calling in every answer to never calling.)
+TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 0.1, 1.85
+
 # Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
 # message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
 # each image/video replaced by its vision block, and `<|im_start|>assistant\n` as the generation prompt.
@@ -168,7 +180,7 @@ def train_bpe(corpus: list[str], vocab_size: int) -> tuple[dict[str, int], list[
     return model["vocab"], merges
 
 
-def build_tokenizer(seed: int, vocab_size: int, tokenizer_class=Qwen2Tokenizer) -> Qwen2Tokenizer:
+def build_tokenizer(seed: int, vocab_size: int, tokenizer_class=Qwen2Tokenizer, tools: bool = False) -> Qwen2Tokenizer:
     """A Qwen2Tokenizer (same pipeline and special tokens as Qwen2.5-VL and Qwen3-VL; Qwen3.5 has its own class with
     the same pipeline) over a tiny trained BPE."""
     vocab, merges = train_bpe(synthetic_corpus(seed), vocab_size)
@@ -185,6 +197,8 @@ def build_tokenizer(seed: int, vocab_size: int, tokenizer_class=Qwen2Tokenizer) 
     )
     # Appended after the BPE vocab in Qwen's order; all special so they are never split or merged.
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL_TOKENS[1:]})
+    if tools:
+        tokenizer.add_tokens(TOOL_TOKENS)
     # Qwen2.5-VL (an instruct model) ends a turn with <|im_end|>; padding uses <|endoftext|>.
     tokenizer.eos_token = "<|im_end|>"
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -389,21 +403,35 @@ FAMILIES = {
 }
 
 
-def build_tiny_model(out_dir: str, seed: int = 0, vocab_size: int = 400, family: str = "qwen2_5_vl") -> str:
+def _final_feature(model, tokenizer) -> float:
+    """Hidden dimension 0 after the final norm at the end of a generation prompt (TOOL_CALL_FEATURE's value there)."""
+    ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
+    return model.model.language_model(input_ids=ids).last_hidden_state[0, -1, 0].item()
+
+
+def build_tiny_model(
+    out_dir: str, seed: int = 0, vocab_size: int = 400, family: str = "qwen2_5_vl", tools: bool = False
+) -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
     vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen
-    special tokens are appended. Returns out_dir.
+    special tokens are appended (and with `tools` the two tool-call tokens). Returns out_dir.
     """
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed, vocab_size, tokenizer_class)
+    tokenizer = build_tokenizer(seed, vocab_size, tokenizer_class, tools)
     processor = make_processor(tokenizer)
     config = make_config(tokenizer)
 
     torch.manual_seed(seed)  # the model's _init_weights draws normal(0, initializer_range) from this
     model = model_class(config).to(torch.float32)
+    if tools:
+        with torch.no_grad():
+            model.model.language_model.embed_tokens.weight[:, 0] = TOOL_CALL_FEATURE
+            feature = _final_feature(model, tokenizer)
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
@@ -416,9 +444,10 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
+    parser.add_argument("--tools", action="store_true", help="add the <tool_call> </tool_call> tokens")
     args = parser.parse_args()
     start = time.perf_counter()
-    path = build_tiny_model(args.out_dir, seed=args.seed, family=args.family)
+    path = build_tiny_model(args.out_dir, seed=args.seed, family=args.family, tools=args.tools)
     print(f"tiny {args.family} written to {path} in {time.perf_counter() - start:.1f}s")
 
 

@@ -31,6 +31,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model_dir(tmp_path_factory) -> str:
+    """The tiny Qwen2.5-VL with the <tool_call> </tool_call> tokens (a vocabulary of its own); read-only."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_tools")), seed=0, tools=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_processor(tiny_model_dir):
     from transformers import AutoProcessor
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+import batching  # noqa: E402
 import checkpoint  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
@@ -45,7 +46,7 @@ def mismatches(model, reference):
 def packed_batch(processor):
     """tests/test_packing.py's mixed prompts (with and without images) and uneven responses, packed into one row."""
     image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    inputs, response_ids, _ = rollout.pack(*_mixed_batch(processor, image_token_id), image_token_id)
+    inputs, response_ids, _ = batching.pack(*_mixed_batch(processor, image_token_id), image_token_id)
     return inputs, response_ids
 
 

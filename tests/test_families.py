@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import batching
 import models
-import rollout
 from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
@@ -39,8 +39,8 @@ def test_packed_equals_padded(tiny_family_dir, family):
     assert model.config.model_type == family
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _mixed_batch(processor, image_token_id)
-    padded = rollout.collate(prompts, responses, pad_id, image_token_id)
-    packed = rollout.pack(prompts, responses, image_token_id)
+    padded = batching.collate(prompts, responses, pad_id, image_token_id)
+    packed = batching.pack(prompts, responses, image_token_id)
     results = {}
     for name, (inputs, response_ids, mask) in (("padded", padded), ("packed", packed)):
         model.zero_grad(set_to_none=True)
@@ -70,7 +70,7 @@ def test_shared_prefix_equals_unshared(tiny_family_dir, family):
     prompts, responses = _groups(processor)
     results = {}
     for share in (False, True):
-        inputs, response_ids, mask = rollout.pack(prompts, responses, model.config.image_token_id, share)
+        inputs, response_ids, mask = batching.pack(prompts, responses, model.config.image_token_id, share)
         model.zero_grad(set_to_none=True)
         logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
@@ -91,7 +91,7 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     processor = AutoProcessor.from_pretrained(path)
     model = models.load_model(path, torch.device("cpu"), "sdpa")
     prompts, responses = _mixed_batch(processor, model.config.image_token_id)
-    inputs, response_ids, mask = rollout.pack(prompts, responses, model.config.image_token_id)
+    inputs, response_ids, mask = batching.pack(prompts, responses, model.config.image_token_id)
     with torch.no_grad():
         segmentwise = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
         for layer in model.model.language_model.layers:

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import batching
 import models
 import rollout
 from tests.hf_engine_check import count_generate_calls, hf_engine, image_prompts, tiny_policy
@@ -18,7 +19,7 @@ def _old_generate_logprobs(engine, model, prompts, n, params, seed):
     output_logits=True, log-probs from the kept per-step logits. Returns sequences (B*n, R) and log-probs (B*n, R)."""
     from transformers import GenerationConfig
 
-    inputs, _, _ = rollout.collate(prompts, [[] for _ in prompts], engine.pad_id, engine.image_token_id)
+    inputs, _, _ = batching.collate(prompts, [[] for _ in prompts], engine.pad_id, engine.image_token_id)
     gen_cfg = GenerationConfig(
         do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, max_new_tokens=params.max_tokens,
         num_return_sequences=n, eos_token_id=sorted(engine.eos_ids), pad_token_id=engine.pad_id,
@@ -51,7 +52,7 @@ def test_logprobs_equal_a_forward_and_the_old_generate_logits(tiny_model_dir, ti
         assert len(s.logprobs) == len(s.response_ids) and (len(s.response_ids) == 12 or not s.truncated)
 
     # the same samples scored separately, in the padded layout (the engine scores them packed)
-    batch, response_ids, mask = rollout.collate(
+    batch, response_ids, mask = batching.collate(
         [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], engine.pad_id,
         engine.image_token_id,
     )  # fmt: skip
@@ -164,7 +165,7 @@ def test_two_ranks_with_unequal_prompts_and_chunks(tiny_model_dir, tiny_processo
                 torch.testing.assert_close(torch.tensor(logp), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
         sampled = ranks[rank]["sampled"]
         assert [s[0] for s in sampled] == [i for i in range(len(mine)) for _ in range(2)]
-        batch, response_ids, _ = rollout.pack([mine[s[0]] for s in sampled], [s[1] for s in sampled],
+        batch, response_ids, _ = batching.pack([mine[s[0]] for s in sampled], [s[1] for s in sampled],
                                                  engine.image_token_id)  # fmt: skip
         with torch.no_grad():
             logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
+import batching
 import linear_attention
 import models
-import rollout
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
@@ -123,8 +123,8 @@ def test_packed_model_with_the_fla_signature_equals_padded(qwen3_5, fla_calls, s
     linear_layers = sum(hasattr(layer, "linear_attn") for layer in model.model.language_model.layers)
     results = {}
     for name, (inputs, response_ids, mask) in (
-        ("padded", rollout.collate(prompts, responses, pad_id, image_token_id)),
-        ("packed", rollout.pack(prompts, responses, image_token_id, share)),
+        ("padded", batching.collate(prompts, responses, pad_id, image_token_id)),
+        ("packed", batching.pack(prompts, responses, image_token_id, share)),
     ):
         model.zero_grad(set_to_none=True)
         fla_calls.clear()
@@ -138,7 +138,7 @@ def test_packed_model_with_the_fla_signature_equals_padded(qwen3_5, fla_calls, s
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-5, msg=name)
     assert calls_a == []  # padded batches keep transformers' forward
-    sizes = rollout.pack(prompts, responses, image_token_id, share)[0]["group_sizes"].tolist()  # answers per part
+    sizes = batching.pack(prompts, responses, image_token_id, share)[0]["group_sizes"].tolist()  # answers per part
     if not share:
         assert [(c["sequences"], c["initial"]) for c in calls_b] == [(len(prompts), False)] * linear_layers
     else:  # parts of one answer are plain sequences; a group's answers continue its prompt

@@ -120,8 +120,8 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
     from safetensors.torch import load_file
     from transformers import AutoProcessor
 
+    import batching
     import checkpoint
-    import rollout
     import train_grpo
     from tests.test_packing import _mixed_batch
 
@@ -146,7 +146,7 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
             for layer in lora.lora_layers(model).values():
                 b = layer.lora_B[lora.LORA_ADAPTER].weight
                 lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
-            inputs, ids, mask = rollout.pack(*_mixed_batch(processor, model.config.image_token_id),
+            inputs, ids, mask = batching.pack(*_mixed_batch(processor, model.config.image_token_id),
                                              model.config.image_token_id)  # fmt: skip
             logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
             (logp * mask).sum().backward()

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import batching
 import models
 import rollout
 from models import chunked_logprobs, entropy_from_logits, token_logprobs
@@ -52,7 +53,7 @@ def test_chunked_without_entropy_and_without_grad():
 
 
 def _tiny_batch(processor, model):
-    """Two prompts (one with an image) and responses of uneven lengths, laid out by rollout.collate."""
+    """Two prompts (one with an image) and responses of uneven lengths, laid out by batching.collate."""
     from PIL import Image, ImageDraw
 
     prompts = []
@@ -67,7 +68,7 @@ def _tiny_batch(processor, model):
         prompts.append(rollout.Prompt(out["input_ids"][0], out.get("pixel_values"), out.get("image_grid_thw"), []))
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (7, 3)]
-    return rollout.collate(prompts, responses, processor.tokenizer.pad_token_id, model.config.image_token_id)
+    return batching.collate(prompts, responses, processor.tokenizer.pad_token_id, model.config.image_token_id)
 
 
 def _full_logits_logprobs(model, batch_inputs, response_ids, temperature):

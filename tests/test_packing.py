@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import batching
 import models
 import rollout
 from batching import balanced_bins, rebalance_moves, token_budget_micro_batches
@@ -48,11 +49,11 @@ def test_packed_logprobs_equal_padded_and_alone(tiny_model_dir, tiny_processor, 
     temperature = 0.9
     with torch.no_grad():
         alone = [
-            models.forward_logprobs(model, *rollout.collate([p], [r], pad_id, image_token_id)[:2], temperature)[0]
+            models.forward_logprobs(model, *batching.collate([p], [r], pad_id, image_token_id)[:2], temperature)[0]
             for p, r in zip(prompts, responses)
         ]
-    padded_inputs, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
-    packed_inputs, packed_ids, packed_mask = rollout.pack(prompts, responses, image_token_id)
+    padded_inputs, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
+    packed_inputs, packed_ids, packed_mask = batching.pack(prompts, responses, image_token_id)
     assert packed_inputs["input_ids"].shape == (1, sum(len(p.input_ids) + len(r) for p, r in zip(prompts, responses)))
     assert torch.equal(packed_ids * mask.long(), response_ids * mask.long()) and torch.equal(packed_mask, mask)
 

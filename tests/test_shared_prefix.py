@@ -4,6 +4,7 @@ answers in a micro-batch. Exact by construction -- these tests hold it to the un
 import pytest
 import torch
 
+import batching
 import models
 import rollout
 from batching import shared_prefix_parts
@@ -44,8 +45,8 @@ def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attention
     model = models.load_model(tiny_model_dir, torch.device("cpu"), attention)
     image_token_id = model.config.image_token_id
     prompts, responses = _groups(tiny_processor)
-    unshared = rollout.pack(prompts, responses, image_token_id)
-    shared = rollout.pack(prompts, responses, image_token_id, share_prompts=True)
+    unshared = batching.pack(prompts, responses, image_token_id)
+    shared = batching.pack(prompts, responses, image_token_id, share_prompts=True)
     assert shared[0]["group_sizes"].tolist() == [3, 2, 1, 1] and unshared[0]["group_sizes"].tolist() == [1] * 7
     assert shared[0]["pixel_values"].shape[0] < unshared[0]["pixel_values"].shape[0]  # A's image twice, not 4 times
     assert shared[0]["input_ids"].shape[1] == unshared[0]["input_ids"].shape[1] - 3 * len(prompts[0].input_ids) + len(

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import batching
 import models
-import rollout
 from tests.test_packing import _mixed_batch
 
 
@@ -64,8 +64,8 @@ def test_varlen_packed_equals_padded_sdpa(tiny_model_dir, tiny_processor, record
     assert model.model.visual.config._attn_implementation == models.VISION_VARLEN
     pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _mixed_batch(tiny_processor, image_token_id)
-    padded_inputs, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
-    packed_inputs, _, _ = rollout.pack(prompts, responses, image_token_id)
+    padded_inputs, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
+    packed_inputs, _, _ = batching.pack(prompts, responses, image_token_id)
 
     want, got = {}, {}
     for out, m, inputs in ((want, ref, padded_inputs), (got, model, packed_inputs)):
@@ -167,7 +167,7 @@ def test_compute_device_is_the_meshs_not_the_offloaded_shards(monkeypatch, tiny_
     monkeypatch.setattr(models, "compute_device", lambda m: asked.append(m) or torch.device("cpu"))
     tiny = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
     prompts, responses = _mixed_batch(tiny_processor, tiny.config.image_token_id)
-    packed, response_ids, _ = rollout.pack(prompts, responses, tiny.config.image_token_id)
+    packed, response_ids, _ = batching.pack(prompts, responses, tiny.config.image_token_id)
     with torch.no_grad():
         models.forward_logprobs(tiny, packed, response_ids, 1.0)
     assert asked and all(m is tiny for m in asked)  # forward_logprobs and packed_positions

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import batching
 import models
 import rollout
 import video
@@ -180,9 +181,9 @@ def test_packed_and_shared_equal_padded_with_videos(tiny_family_dir, family):
     prompts = [prompts[i] for i in order]
     responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 1, 14, 5, 2, 7, 3, 6)]
     layouts = {
-        "padded": rollout.collate(prompts, responses, pad_id, image_token_id),
-        "packed": rollout.pack(prompts, responses, image_token_id),
-        "shared": rollout.pack(prompts, responses, image_token_id, share_prompts=True),
+        "padded": batching.collate(prompts, responses, pad_id, image_token_id),
+        "packed": batching.pack(prompts, responses, image_token_id),
+        "shared": batching.pack(prompts, responses, image_token_id, share_prompts=True),
     }
     results = {}
     for name, (inputs, response_ids, mask) in layouts.items():
@@ -222,7 +223,7 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
     with torch.no_grad():
         plain = {}
         for name, rows in batches.items():
-            batch = rollout.pack([prompts[i] for i in rows], [responses[i] for i in rows], image_token_id)
+            batch = batching.pack([prompts[i] for i in rows], [responses[i] for i in rows], image_token_id)
             plain[name] = models.forward_logprobs(model, *batch[:2], 1.0)[0]
     models.add_vision_dummy(model)
     calls = []
@@ -232,9 +233,9 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
         for layout in ("packed", "padded"):
             p, r = [prompts[i] for i in rows], [responses[i] for i in rows]
             batch = (
-                rollout.pack(p, r, image_token_id)
+                batching.pack(p, r, image_token_id)
                 if layout == "packed"
-                else rollout.collate(p, r, pad_id, image_token_id)
+                else batching.collate(p, r, pad_id, image_token_id)
             )
             with torch.no_grad():
                 logp = models.forward_logprobs(model, *batch[:2], 1.0)[0]
@@ -258,7 +259,7 @@ def test_hf_engine_samples_and_scores_video_prompts(tiny_family_dir, family):
     prompts = [prompts[i] for i in (0, 1, 3)]
     params = rollout.SamplingParams(0.0, 1.0, 8)
     samples = engine.generate(prompts, 1, params, seed=3)
-    batch, response_ids, mask = rollout.collate(prompts, [s.response_ids for s in samples], engine.pad_id,
+    batch, response_ids, mask = batching.collate(prompts, [s.response_ids for s in samples], engine.pad_id,
                                                 engine.image_token_id)  # fmt: skip
     with torch.no_grad():
         logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0] * mask
@@ -266,7 +267,7 @@ def test_hf_engine_samples_and_scores_video_prompts(tiny_family_dir, family):
 
     for row, (p, s) in enumerate(zip(prompts, samples)):
         torch.testing.assert_close(torch.tensor(s.logprobs), logp[row, : len(s.logprobs)], rtol=0, atol=1e-5)
-        inputs = rollout.collate([p], [[]], engine.pad_id, engine.image_token_id)[0]
+        inputs = batching.collate([p], [[]], engine.pad_id, engine.image_token_id)[0]
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=sorted(engine.eos_ids),
                                    pad_token_id=engine.pad_id, suppress_tokens=engine.forbidden)  # fmt: skip
         with torch.no_grad():
@@ -341,8 +342,8 @@ def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
     models.add_vision_dummy(model)  # as apply_fsdp does: one tower pass for the images and videos
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _video_batch(processor)
-    padded, response_ids, mask = rollout.collate(prompts, responses, pad_id, image_token_id)
-    packed = rollout.pack(prompts, responses, image_token_id)[0]
+    padded, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
+    packed = batching.pack(prompts, responses, image_token_id)[0]
     results = []
     for m, inputs in ((ref, padded), (model, packed)):
         logp = models.forward_logprobs(m, inputs, response_ids, 1.0)[0]

@@ -20,6 +20,7 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
+import batching  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
@@ -70,7 +71,7 @@ def make_video_prompts(processor, rank):
 
 def max_logprob_diff(model, prompts, samples, ids, temperature):
     """max |engine log-prob - trainer log-prob| over all sampled tokens (one trainer forward, collective)."""
-    batch_inputs, response_ids, mask = rollout.collate(
+    batch_inputs, response_ids, mask = batching.collate(
         [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], *ids
     )
     with torch.no_grad():
