@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import lora
 import models
+import vllm_compat
 from video import video_processor_size
 
 
@@ -344,6 +345,7 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
 VLLM_NOISE = {
     "vllm.model_executor.model_loader.reload.layerwise": "Failed to load weights",
     "vllm.model_executor.model_loader.reload.inplace": "Following weights were not loaded",
+    "vllm.v1.worker.gpu_model_runner": "Following weights were not loaded",  # vLLM 0.26's logger for it
     "vllm.v1.worker.cpu_worker": "torch.set_num_threads",
 }
 
@@ -379,6 +381,8 @@ class VLLMEngine:
     def __init__(self, cfg, processor):
         # in-process engine core; vLLM reads this when it is imported and when the engine starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_cuda = torch.cuda.is_available()
+        vllm_compat.sampler_environment(on_cuda)
         quiet_vllm_logs()
         from vllm import LLM
 
@@ -387,7 +391,6 @@ class VLLMEngine:
         family = models.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
         self.max_videos = r.max_videos_per_prompt
-        on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
@@ -427,7 +430,12 @@ class VLLMEngine:
             # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where
             # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
             # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
-            platform["mm_device_do_normalize"] = False
+            platform.update(vllm_compat.processor_normalization())
+        limits = {"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt}
+        if self.max_videos and not vllm_compat.budget_reads_modality_kwargs():
+            sizes = (d.max_pixels, d.video_max_pixels, d.max_frames, family.image_side)
+            limits = vllm_compat.capped_profile(limits, *sizes)
+        self.clip_metadata = self.max_videos and vllm_compat.clip_metadata_per_request(cfg.actor.model_path)
         self.llm = LLM(
             model=cfg.actor.model_path,
             dtype=self.dtype,
@@ -438,7 +446,7 @@ class VLLMEngine:
             enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
             max_model_len=max_model_len,
             max_num_seqs=r.max_num_seqs,
-            limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
+            limit_mm_per_prompt=limits,
             mm_processor_kwargs=mm_kwargs,
             # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
             # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
@@ -446,9 +454,7 @@ class VLLMEngine:
             logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
             **platform,
         )
-        # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
-        # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.
-        self.llm.llm_engine.engine_core._finalizer.detach()
+        vllm_compat.skip_engine_teardown(self.llm)  # it would tear torch.distributed down after main() did
         self.tp_group = dist.new_subgroups(group_size=self.tp)[0] if self.tp > 1 else None
         self.asleep = set()  # the sleeping parts: "weights", "kv_cache"
         self.synced = False  # until the first sync the engine holds the checkpoint's weights
@@ -543,6 +549,9 @@ class VLLMEngine:
                 mm_data = {"image": images, "video": videos}
                 if images or videos:
                     request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
+                if videos and self.clip_metadata:  # flat: a request's own videos_kwargs would replace the engine's
+                    metadata = [{k: v for k, v in meta.items() if k != "do_sample_frames"} for _, meta in videos]
+                    request["mm_processor_kwargs"] = {"video_metadata": metadata}
                 requests.append(request)
                 sampling.append(
                     VSamplingParams(
