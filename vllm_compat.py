@@ -59,29 +59,17 @@ def capped_profile(limits: dict, image_pixels: int, frame_pixels: int, frames: i
     """limit_mm_per_prompt with the largest image and video vLLM profiles memory with capped at the run's bounds.
     Where the budget estimate misses per-modality kwargs (vLLM 0.26, budget_reads_modality_kwargs) a video run would
     profile the checkpoint's default largest image (Qwen2.5-VL's: 12.8 M pixels, 16,384 tokens), leaving the KV cache
-    less memory than on 0.32/0.33; the per-modality dummy options (vLLM 0.26 to 0.33) cap those profiling inputs.
-    A square of at most `pixels` with sides a multiple of `side` (one merged vision token) is as many tokens as any
-    image the processors let through."""
-
-    def square(pixels):
-        edge = max(side, math.isqrt(pixels) // side * side)
-        return {"width": edge, "height": edge}
-
-    return {"image": {"count": limits["image"], **square(image_pixels)},
-            "video": {"count": limits["video"], "num_frames": frames, **square(frame_pixels)}}  # fmt: skip
+    less memory than on 0.32/0.33; the per-modality dummy options (vLLM 0.26 to 0.33) cap those profiling inputs."""
+    return {"image": {"count": limits["image"], **most_tokens(image_pixels, side)},
+            "video": {"count": limits["video"], "num_frames": frames, **most_tokens(frame_pixels, side)}}  # fmt: skip
 
 
-def clip_metadata_per_request(model_path: str) -> bool:
-    """Whether each video's metadata (its frame rate, the indices sampled) must travel as a per-request processor
-    argument. The engine hands vLLM a video as (frames, metadata); Qwen2.5-VL's processor spaces the temporal
-    positions by the sampled frame rate the metadata gives (second_per_grid_ts). vLLM 0.32/0.33 pass that metadata to
-    the HF processor (Qwen2.5-VL's multimodal processor splits it off in `_get_hf_mm_inputs`); vLLM 0.26 drops it for
-    Qwen2.5-VL, so the processor assumes 24 frames/s and the video's positions differ from the trainer's. Qwen3-VL and
-    Qwen3.5 keep it in every version claimed (their data parser needs the metadata)."""
-    from transformers import AutoConfig
-
-    if AutoConfig.from_pretrained(model_path).model_type != "qwen2_5_vl":
-        return False
-    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLMultiModalProcessor
-
-    return not hasattr(Qwen2_5_VLMultiModalProcessor, "_get_hf_mm_inputs")
+def most_tokens(pixels: int, side: int) -> dict:
+    """The size of an image of at most `pixels` with the most merged vision tokens (sides multiples of `side`, one
+    token): the token count factored into the two sides closest to square, with a lower count where that would be
+    more than 200:1 (the processors refuse such images), as vLLM picks its own largest profiling input."""
+    for tokens in range(pixels // side**2, 0, -1):
+        height = next(d for d in range(math.isqrt(tokens), 0, -1) if tokens % d == 0)
+        if tokens // height <= 200 * height:
+            return {"width": side * (tokens // height), "height": side * height}
+    return {"width": side, "height": side}

@@ -121,21 +121,23 @@ def test_budget_estimate_reading_per_modality_kwargs_is_detected(monkeypatch):
         assert vllm_compat.budget_reads_modality_kwargs() is want
 
 
-def test_capped_profile_is_taken_by_vllm_and_within_the_bounds():
-    """Guards against profiling caps that vLLM rejects at start, or that profile less than the largest image or frame
-    the processors let through (a later request would then need more encoder memory than was profiled)."""
+def test_capped_profile_is_taken_by_vllm_and_is_the_largest_input_within_the_bounds():
+    """Guards against profiling caps that vLLM rejects at start, or that profile fewer tokens than the largest image
+    or frame the processors let through (a later request would need more encoder memory than was profiled), or more
+    pixels than the bounds (the KV cache would get less than it could)."""
     from vllm.config import MultiModalConfig
 
-    side, image_pixels, frame_pixels = 28, 112 * 112, 100 * 90
+    side, image_pixels, frame_pixels = 28, 112 * 112, 100 * 90  # 16 tokens (4 x 4); 11 tokens (prime: 1 x 11)
     limits = vllm_compat.capped_profile({"image": 2, "video": 1}, image_pixels, frame_pixels, 6, side)
     config = MultiModalConfig(limit_per_prompt=limits)
     assert [config.get_limit_per_prompt(m) for m in ("image", "video")] == [2, 1]
-    for modality, pixels in (("image", image_pixels), ("video", frame_pixels)):
-        width, height = limits[modality]["width"], limits[modality]["height"]
-        tokens = (width // side) * (height // side)
-        # the most merged tokens any image within `pixels` becomes: floor(pixels / side^2)
-        assert width * height <= pixels and tokens >= pixels // side**2 - 2 * (pixels // side**2) ** 0.5, modality
-    assert limits["video"]["num_frames"] == 6
+    assert limits["image"] | limits["video"] == {"count": 1, "width": 11 * side, "height": side, "num_frames": 6}
+    assert (limits["image"]["width"], limits["image"]["height"]) == (4 * side, 4 * side)
+    for pixels in range(side**2, 300 * side**2, 997):  # always the most tokens that fit, never more pixels
+        size = vllm_compat.most_tokens(pixels, side)
+        assert size["width"] * size["height"] <= pixels and max(size.values()) <= 200 * min(size.values())
+        if pixels // side**2 <= 200:  # a 1 x n strip is allowed: nothing to lose
+            assert size["width"] * size["height"] // side**2 == pixels // side**2, pixels
 
 
 def test_video_metadata_travels_per_request_where_vllm_drops_it(monkeypatch, tiny_model_dir):
