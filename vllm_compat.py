@@ -73,3 +73,19 @@ def most_tokens(pixels: int, side: int) -> dict:
         if tokens // height <= 200 * height:
             return {"width": side * (tokens // height), "height": side * height}
     return {"width": side, "height": side}
+
+
+def clip_metadata_per_request(model_path: str) -> bool:
+    """Whether each video's metadata (its frame rate, the indices sampled) must travel as a per-request processor
+    argument. The engine hands vLLM a video as (frames, metadata); Qwen2.5-VL's processor spaces the temporal
+    positions by the sampled frame rate the metadata gives (second_per_grid_ts). vLLM 0.32/0.33 pass that metadata to
+    the HF processor (Qwen2.5-VL's multimodal processor splits it off in `_get_hf_mm_inputs`); vLLM 0.26 drops it for
+    Qwen2.5-VL, so the processor assumes 24 frames/s and the video's positions differ from the trainer's. Qwen3-VL and
+    Qwen3.5 keep it in every version claimed (their data parser needs the metadata)."""
+    from transformers import AutoConfig
+
+    if AutoConfig.from_pretrained(model_path).model_type != "qwen2_5_vl":
+        return False
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLMultiModalProcessor
+
+    return not hasattr(Qwen2_5_VLMultiModalProcessor, "_get_hf_mm_inputs")
