@@ -424,7 +424,7 @@ class VLLMEngine:
             # them as they are. Scoped per modality: a plain `size` would bound video frames by the images' budget.
             # (Only with videos on, so an image-only run passes vLLM what it always did.)
             size = video_processor_size(processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames)
-            mm_kwargs = {"images_kwargs": mm_kwargs, "videos_kwargs": {"size": size, "do_sample_frames": False}}
+            mm_kwargs = vllm_compat.modality_kwargs(mm_kwargs, {"size": size, "do_sample_frames": False})
         ip, vp = processor.image_processor, processor.video_processor
         if self.max_videos and [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
             # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where

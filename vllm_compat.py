@@ -55,6 +55,18 @@ def budget_reads_modality_kwargs() -> bool:
     return "modality" in inspect.signature(Qwen2VLProcessingInfo._get_vision_info).parameters
 
 
+def modality_kwargs(image: dict, video: dict) -> dict:
+    """mm_processor_kwargs with the images' and the videos' own processor arguments. vLLM 0.32/0.33 take them scoped
+    (images_kwargs / videos_kwargs) all the way. vLLM 0.26's Qwen3-VL and Qwen3.5 processors set do_sample_frames
+    themselves as a flat argument (from the clip's metadata) unless a flat one is there, and transformers refuses it
+    twice ("passed two times"): there do_sample_frames goes flat (the image processor ignores it). Decided by the
+    same feature as budget_reads_modality_kwargs: the release whose Qwen-VL code reads per-modality kwargs."""
+    if budget_reads_modality_kwargs():
+        return {"images_kwargs": image, "videos_kwargs": video}
+    flat = {k: v for k, v in video.items() if k == "do_sample_frames"}
+    return {"images_kwargs": image, "videos_kwargs": {k: v for k, v in video.items() if k not in flat}, **flat}
+
+
 def capped_profile(limits: dict, image_pixels: int, frame_pixels: int, frames: int, side: int) -> dict:
     """limit_mm_per_prompt with the largest image and video vLLM profiles memory with capped at the run's bounds.
     Where the budget estimate misses per-modality kwargs (vLLM 0.26, budget_reads_modality_kwargs) a video run would

@@ -121,6 +121,19 @@ def test_budget_estimate_reading_per_modality_kwargs_is_detected(monkeypatch):
         assert vllm_compat.budget_reads_modality_kwargs() is want
 
 
+def test_video_processor_arguments_scoped_or_flat_as_each_version_takes_them(monkeypatch):
+    """Guards against "Keyword argument do_sample_frames was passed two times" at vLLM 0.26's engine start with a
+    Qwen3-VL or Qwen3.5 video run (its processor adds a flat do_sample_frames unless one is there), and against
+    unscoping the videos' arguments on 0.32/0.33, where the images' and the videos' bounds would then mix."""
+    image, video = {"size": {"longest_edge": 1}}, {"size": {"longest_edge": 2}, "do_sample_frames": False}
+    scoped = {"images_kwargs": image, "videos_kwargs": video}
+    flat = {"images_kwargs": image, "videos_kwargs": {"size": {"longest_edge": 2}}, "do_sample_frames": False}
+    assert vllm_compat.modality_kwargs(image, video) == (scoped if VLLM >= (0, 32) else flat)
+    for stand_in, want in ((_Info026, flat), (_Info033, scoped)):
+        monkeypatch.setattr("vllm.model_executor.models.qwen2_vl.Qwen2VLProcessingInfo", stand_in)
+        assert vllm_compat.modality_kwargs(image, video) == want
+
+
 def test_capped_profile_is_taken_by_vllm_and_is_the_largest_input_within_the_bounds():
     """Guards against profiling caps that vLLM rejects at start, or that profile fewer tokens than the largest image
     or frame the processors let through (a later request would need more encoder memory than was profiled), or more
