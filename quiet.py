@@ -50,6 +50,8 @@ LOGGED = [
      "log-probs after a sync equal the trainer's (tests/test_vllm.py)"),
     ("vllm.model_executor.model_loader.reload.inplace", "Following weights were not loaded",
      "with LoRA the sync resends only what can change; the rest keeps its tensors (tests/test_vllm.py)"),
+    ("vllm.v1.worker.gpu_model_runner", "Following weights were not loaded",
+     "the same message as vLLM 0.26 logs it, from its model runner"),
     ("vllm.v1.worker.cpu_worker", "torch.set_num_threads",
      "on CPU, vLLM's thread binding skips later set_num_threads calls, as intended"),
 ]  # fmt: skip

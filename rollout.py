@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import lora
 import models
+import vllm_compat
 from batching import VISION_INPUTS, collate, pack
 from quiet import filtered_stderr, quiet_logs
 from video import video_processor_size
@@ -284,6 +285,8 @@ class VLLMEngine:
     def __init__(self, cfg, processor):
         # in-process engine core; vLLM reads this when it is imported and when the engine starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_cuda = torch.cuda.is_available()
+        vllm_compat.sampler_environment(on_cuda)
         quiet = quiet_logs(cfg.trainer.verbose)
         from vllm import LLM
 
@@ -295,7 +298,6 @@ class VLLMEngine:
         if min(self.max_images, self.max_videos) < 0:
             raise ValueError("rollout.max_images_per_prompt / max_videos_per_prompt at -1 (the data's most): call "
                              "check_prompt_limits with the data before the engine starts")  # fmt: skip
-        on_cuda = torch.cuda.is_available()
         self.tokenizer = processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
@@ -329,13 +331,18 @@ class VLLMEngine:
             # them as they are. Scoped per modality: a plain `size` would bound video frames by the images' budget.
             # (Only with videos on, so an image-only run passes vLLM what it always did.)
             size = video_processor_size(processor.video_processor, d.video_min_pixels, d.video_max_pixels, d.max_frames)
-            mm_kwargs = {"images_kwargs": mm_kwargs, "videos_kwargs": {"size": size, "do_sample_frames": False}}
+            mm_kwargs = vllm_compat.modality_kwargs(mm_kwargs, {"size": size, "do_sample_frames": False})
         ip, vp = processor.image_processor, processor.video_processor
         if self.max_videos and [list(ip.image_mean), list(ip.image_std)] != [list(vp.image_mean), list(vp.image_std)]:
             # vLLM 0.32 normalizes pixels on the device, videos' too, with the IMAGE processor's mean and std: where
             # a checkpoint's video processor normalizes otherwise (the tiny Qwen3-VL of the tests), its video tokens
             # would differ from the trainer's (0.5 nats there); the processors' own normalization is then used
-            platform["mm_device_do_normalize"] = False
+            platform.update(vllm_compat.processor_normalization())
+        limits = {"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt}
+        if self.max_videos and not vllm_compat.budget_reads_modality_kwargs():
+            sizes = (d.max_pixels, d.video_max_pixels, d.max_frames, family.image_side)
+            limits = vllm_compat.capped_profile(limits, *sizes)
+        self.clip_metadata = self.max_videos and vllm_compat.clip_metadata_per_request(cfg.actor.model_path)
         with filtered_stderr(quiet):  # (its C++ NUMA note: quiet.PRINTED)
             self.llm = LLM(
                 model=cfg.actor.model_path,
@@ -347,7 +354,7 @@ class VLLMEngine:
                 enforce_eager=r.enforce_eager or not on_cuda,  # CUDA graphs only on CUDA
                 max_model_len=max_model_len,
                 max_num_seqs=r.max_num_seqs,
-                limit_mm_per_prompt={"image": r.max_images_per_prompt, "video": r.max_videos_per_prompt},
+                limit_mm_per_prompt=limits,
                 mm_processor_kwargs=mm_kwargs,
                 # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
                 # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
@@ -356,9 +363,7 @@ class VLLMEngine:
                 use_tqdm_on_load=not quiet,  # its progress bar for loading the checkpoint: with trainer.verbose
                 **platform,
             )
-        # At exit vLLM's engine would tear torch.distributed down a second time, after main() did, and print an
-        # (ignored) traceback; the process is exiting anyway, so skip vLLM's teardown.
-        self.llm.llm_engine.engine_core._finalizer.detach()
+        vllm_compat.skip_engine_teardown(self.llm)  # it would tear torch.distributed down after main() did
         # a sub-group's collectives get trainer.collective_timeout_s as well (new groups take torch's default otherwise)
         timeout = datetime.timedelta(seconds=cfg.trainer.collective_timeout_s)
         self.tp_group = dist.new_subgroups(group_size=self.tp, timeout=timeout)[0] if self.tp > 1 else None
@@ -455,6 +460,9 @@ class VLLMEngine:
                 mm_data = {"image": images, "video": videos}
                 if images or videos:
                     request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
+                if videos and self.clip_metadata:  # flat: a request's own videos_kwargs would replace the engine's
+                    metadata = [{k: v for k, v in meta.items() if k != "do_sample_frames"} for _, meta in videos]
+                    request["mm_processor_kwargs"] = {"video_metadata": metadata}
                 requests.append(request)
                 sampling.append(
                     VSamplingParams(

@@ -194,6 +194,8 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
 SUPPORTED_VERSIONS = {
     "GPU": {"torch": "2.14.0", "transformers": "5.19.0", "vllm": "0.33.0"},
     "CPU tests": {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"},
+    # a node image with torch 2.11 (vLLM 0.26 is the last release built for it); CPU tests: make test-vllm026
+    "torch 2.11": {"torch": "2.11.0", "transformers": "5.17.0", "vllm": "0.26.0"},
 }
 
 

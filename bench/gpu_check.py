@@ -4,6 +4,7 @@ and how fast is it?
     python bench/gpu_check.py --dry-run         # the memory plan of exactly the run below; exit 0 when it fits
     python bench/gpu_check.py                   # one GPU, about 5 minutes; vLLM if importable, else the HF engine
     python bench/gpu_check.py --lora            # the same with rank-8 LoRA adapters
+    python bench/gpu_check.py --enforce-eager   # vLLM without CUDA graphs (rollout.enforce_eager=true)
     python bench/gpu_check.py --set actor.ref_offload=true --set data.max_response_length=1024
     python bench/gpu_check.py --family qwen3_5 --lora  # Qwen3.5-9B's shape: linear attention through fla's kernel
 
@@ -19,6 +20,12 @@ and how fast is it?
 3. With the run's memory freed: log-probs of one packed micro-batch, plain and with shared prefixes, against the
    same batch padded (sdpa), all in bf16; and the vision tower's varlen path against sdpa on the same images (on
    torch 2.14 and sm90 the tower's calls can go to cuDNN, a kernel the CPU tests never reach).
+4. With vLLM (the default where it imports): the rollout phase as the loop runs it, vLLM asleep while the trainer
+   works (rollout.sleep_level=1), its generation tokens/s, the wake, weight-sync and sleep seconds, and the GPU memory
+   free (torch.cuda.mem_get_info) right before and after every sleep: the device's use while vLLM is awake set beside
+   the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on, as in a real run; --enforce-eager
+   runs the same without them. Then, in a fresh process, vLLM's log-probs of its own samples against the trainer's
+   (bf16, after a weight sync), separately for text prompts and for image prompts.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
 of a step / step seconds, the definition of REFERENCE.md section 1), model FLOPs utilisation of the training phases,
@@ -157,7 +164,8 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
         f"actor.model_path={model_dir}", f"data.train_files={data_dir}/train.parquet", "data.val_files=",
         f"data.rollout_batch_size={args.prompts}", f"actor.global_batch_size={args.prompts}", f"rollout.n={args.n}",
         f"data.max_response_length={args.response_tokens}", "data.max_prompt_length=2048",
-        f"rollout.engine={args.engine}", "rollout.tensor_parallel_size=1", "rollout.enforce_eager=true",
+        f"rollout.engine={args.engine}", "rollout.tensor_parallel_size=1",
+        f"rollout.enforce_eager={str(args.enforce_eager).lower()}",
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
         f"rollout.max_num_seqs={args.prompts * args.n}",
         "reward.reward_fn=reward.py:digit_fraction", "reward.num_workers=2",
@@ -223,15 +231,104 @@ def run_trainer(model_dir, data_dir, out_dir, args):
     originals = {name: getattr(train_grpo, name) for name in PHASES.values()}
     for phase, name in PHASES.items():
         setattr(train_grpo, name, measured(phase, originals[name]))
+    sleeps, sleep = [], rollout.VLLMEngine.sleep
+    rollout.VLLMEngine.sleep = lambda engine: free_around(sleeps, sleep, engine)
     try:
         code = train_grpo.main(trainer_argv(model_dir, data_dir, out_dir, args))
     finally:
         for name, fn in originals.items():
             setattr(train_grpo, name, fn)
+        rollout.VLLMEngine.sleep = sleep
     if code != 0:
         raise SystemExit(f"the trainer exited with {code}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], peaks
+        return [json.loads(line) for line in f], peaks, sleeps
+
+
+def free_around(record, fn, *args):
+    """fn(*args) between two readings of the device's free memory (GiB, torch.cuda.mem_get_info: every allocator on
+    the device, vLLM's own CuMemAllocator included, which torch's counters do not see), appended to `record` as
+    {"before": .., "after": .., "total": ..}."""
+
+    def free():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return free / 2**30, total / 2**30
+
+    before, total = free()
+    try:
+        return fn(*args)
+    finally:
+        record.append({"before": before, "after": free()[0], "total": total})
+
+
+def rollout_memory(sleeps, planned_gib):
+    """The device's use while vLLM is awake against the plan's rollout phase. The first sleep is the engine's own at
+    start, before the trainer's model loads: the loop's are the others, each right after a rollout (vLLM awake with
+    its weights and KV cache, the trainer's state resident). The plan's deviation is relative to the device."""
+    loop = sleeps[1:]
+    if not loop:
+        return {}
+    used = max(s["total"] - s["before"] for s in loop)
+    freed = [s["after"] - s["before"] for s in loop]
+    return {
+        "free_gib_before_after_each_sleep": [(round(s["before"], 2), round(s["after"], 2)) for s in sleeps],
+        "device_used_gib_awake": used,
+        "planned_rollout_gib": planned_gib,
+        "plan_vs_device": planned_gib / used - 1,
+        "freed_by_sleep_gib": statistics.median(freed),
+    }
+
+
+def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False, prompts=8, n=4):
+    """vLLM's log-prob of each token it sampled against the trainer's (models.forward_logprobs, FSDP2) after a weight
+    sync, for text prompts (the data's, its image dropped) and image prompts apart: max and mean |diff| over the
+    sampled tokens. bf16 on the GPU (what a run compares as rollout/logprob_diff_*), fp32 on CPU. One rank; vLLM's
+    engine must be this process's first (its parallel state is per process), so main() runs it in a fresh one."""
+    from types import SimpleNamespace
+
+    from transformers import AutoProcessor
+
+    import runtime
+    from data import PromptDataset
+
+    _, _, device = runtime.setup_distributed()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    dataset = PromptDataset(f"{data_dir}/train.parquet", processor, min_pixels=262144, max_pixels=4194304,
+                            format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
+    cfg = train_grpo.load_config(None, [
+        "rollout.engine=vllm", f"actor.model_path={model_dir}", "data.min_pixels=262144", "data.max_pixels=4194304",
+        "data.max_prompt_length=2048", f"data.max_response_length={response_tokens}",
+        "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={2 * prompts * n}",
+        f"rollout.enforce_eager={str(enforce_eager).lower()}", f"rollout.cpu_kv_cache_bytes={256 << 20}",
+        "rollout.max_images_per_prompt=2",  # the geo3k-shaped data has one- and two-figure problems
+    ])  # fmt: skip
+    engine = rollout.make_engine(cfg, processor)
+    model = models.load_model(model_dir, device, "auto")
+    models.apply_fsdp(model, device)
+    pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
+    models.root_forward(model, pad_id)
+    model.eval()
+    engine.wake()
+    engine.sync_weights(model)
+    examples = [dataset[i] for i in range(prompts)]
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    text = [SimpleNamespace(prompt=e.prompt.replace(vision, ""), images=[], videos=[]) for e in examples]
+    result = {"dtype": str(engine.dtype).removeprefix("torch.")}
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=response_tokens)
+    for modality, rows in (("text", text), ("image", examples)):
+        encoded = [rollout.encode_prompt(processor, e) for e in rows]
+        samples = engine.generate(encoded, n, params, seed=0)
+        answered = [encoded[s.prompt_index] for s in samples]
+        batch, response_ids, mask = rollout.collate(answered, [s.response_ids for s in samples], pad_id, image_token_id)
+        with torch.no_grad():
+            logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0].float().cpu()  # (B, T)
+        engine_logp = torch.zeros_like(logp)
+        for row, sample in enumerate(samples):
+            engine_logp[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
+        diff = (engine_logp - logp).abs()[mask.bool()]
+        result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
+    return result
 
 
 def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
@@ -306,6 +403,20 @@ def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
     return {"max": diff.max().item(), "mean": diff.mean().item(), "mean_abs_feature": scale, "tokens": diff.shape[0]}
 
 
+def engine_vs_trainer_process(model_dir, data_dir, args):
+    """engine_vs_trainer in a fresh process (this one's vLLM engine ran the trainer's rollouts); {} if it failed."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--engine-vs-trainer", model_dir, data_dir, "--response-tokens",
+           str(args.response_tokens), *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
+    env = {**os.environ, "MASTER_PORT": str(int(os.environ.get("MASTER_PORT", "29500")) + 7)}
+    if subprocess.run(cmd, env=env).returncode != 0:
+        print("engine vs trainer comparison failed (its output is above)")
+        return {}
+    with open(os.path.join(data_dir, "engine_vs_trainer.json")) as f:
+        return json.load(f)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="print the run's memory plan; exit 0 when it fits")
@@ -322,6 +433,8 @@ def parse_args(argv=None):
         help="vLLM's share while awake (default 0.2; 0.4 for qwen3_5, whose bf16 weights are 17.6 GiB)",
     )
     parser.add_argument("--ref-offload", action="store_true", help="keep the reference model in host memory")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs")
+    parser.add_argument("--engine-vs-trainer", nargs=2, metavar=("MODEL_DIR", "DATA_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true", help="rank-8 LoRA adapters instead of full fine-tuning")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override (repeat)")
     parser.add_argument("--no-comparisons", action="store_true", help="the run only: no packed/tower checks")
@@ -340,6 +453,13 @@ def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
         return dry_run(args)
+    if args.engine_vs_trainer:  # main()'s fresh process for the comparison: the result as JSON beside the data
+        model_dir, data_dir = args.engine_vs_trainer
+        result = engine_vs_trainer(model_dir, data_dir, args.response_tokens, args.enforce_eager)
+        with open(os.path.join(data_dir, "engine_vs_trainer.json"), "w") as f:
+            json.dump(result, f)
+        __import__("torch.distributed").distributed.destroy_process_group()
+        __import__("runtime").exit_rank(0)  # as the trainer's ranks end (gloo's threads may outlive the group)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA GPU (--dry-run does not)")
     out = os.environ.get("OUT") or os.path.join(REPO, "outputs", "gpu_check")
@@ -362,7 +482,7 @@ def main(argv=None):
         shape = SHAPES[args.family][1]
         print(f"a random {n_params / 1e9:.2f} B-parameter {shape} ready in {time.perf_counter() - t0:.0f}s")
         torch.cuda.reset_peak_memory_stats()
-        steps, measured = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
+        steps, measured, sleeps = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
         peak_gib = max(measured.values())
         reserved_gib = torch.cuda.max_memory_reserved() / 2**30
         gc.collect()  # the run's model, optimizer and engine, before the comparisons load their own
@@ -374,10 +494,16 @@ def main(argv=None):
             gc.collect()
             torch.cuda.empty_cache()
             tower = tower_varlen_vs_sdpa(model_dir, data_dir)
+        engine_agreement = {}
+        if args.engine == "vllm" and not args.no_comparisons:
+            gc.collect()
+            torch.cuda.empty_cache()
+            engine_agreement = engine_vs_trainer_process(model_dir, data_dir, args)
 
     timed = steps[1:] or steps  # the first step pays for warm-up (allocator, kernels)
-    keys = ("perf/tokens_per_s_per_device", "time/step", "time/rollout", "time/logprobs", "time/train")
-    med = {k: statistics.median(s[k] for s in timed) for k in keys}
+    keys = ("perf/tokens_per_s_per_device", "time/step", "time/rollout", "time/logprobs", "time/train",
+            "perf/rollout_tokens_per_s", "time/wake", "time/weight_sync", "time/sleep")  # fmt: skip
+    med = {k: statistics.median(s.get(k, 0.0) for s in timed) for k in keys}
     med["tokens"] = med["perf/tokens_per_s_per_device"] * med["time/step"]  # one rank: the step's tokens
     # Model FLOPs of the training side per step, N = the language model's parameters (its tied embedding counted
     # once, as the LM head's matmul): the update's forward and backward (6 N per token; with LoRA 4 N, the frozen
@@ -412,10 +538,18 @@ def main(argv=None):
         "planned_peak_gib": planned,
         "peak_vs_plan": peak_gib / planned - 1,
         "memory_left_after_run_gib": left_gib,
+        "cuda_graphs": args.engine == "vllm" and not args.enforce_eager,
+        "generation_tokens_per_s": med["perf/rollout_tokens_per_s"],
+        "wake_s": med["time/wake"],
+        "weight_sync_s": med["time/weight_sync"],
+        "sleep_s": med["time/sleep"],
+        "rollout_memory": rollout_memory(sleeps, phases["rollout"]) if args.engine == "vllm" else {},
+        "engine_vs_trainer_logprob_diff": engine_agreement,
         "packed_vs_padded_logprob_diff": agreement,
         "tower_varlen_vs_sdpa": tower,
     }
     tag = ("lora" if args.lora else "full") + ("" if args.family == "qwen2_5_vl" else f"_{args.family}")
+    tag += "_eager" if args.enforce_eager and args.engine == "vllm" else ""
     with open(os.path.join(out, f"gpu_check_{tag}.json"), "w") as f:
         json.dump({**result, "metrics": steps, "plan": plan_text}, f, indent=2)
     mfu = f"{result['mfu_training_phases']:.1%}" if peak else "n/a (pass --peak-tflops)"
@@ -430,6 +564,22 @@ def main(argv=None):
         f"({result['peak_vs_plan']:+.0%}); per phase, measured / planned: "
         + ", ".join(f"{k} {measured[k]:.1f} / {v:.1f}" for k, v in phases.items())
     )
+    if args.engine == "vllm":
+        graphs = "CUDA graphs " + ("on" if result["cuda_graphs"] else "off")
+        print(f"  vLLM ({graphs}): generation {result['generation_tokens_per_s']:.0f} tokens/s | wake "
+              f"{result['wake_s']:.2f}s, weight sync {result['weight_sync_s']:.2f}s, "
+              f"sleep {result['sleep_s']:.2f}s")  # fmt: skip
+        mem = result["rollout_memory"]
+        if mem:
+            print(f"  rollout phase on the device (total - free before each sleep, the most) "
+                  f"{mem['device_used_gib_awake']:.1f} GiB, plan {mem['planned_rollout_gib']:.1f} GiB "
+                  f"({mem['plan_vs_device']:+.1%}{'' if abs(mem['plan_vs_device']) <= 0.10 else ', more than 10 %'})"
+                  f"; a sleep frees {mem['freed_by_sleep_gib']:.1f} GiB; free before/after each sleep "
+                  f"{mem['free_gib_before_after_each_sleep']}")  # fmt: skip
+        for modality, d in engine_agreement.items():
+            if isinstance(d, dict):
+                print(f"  vLLM vs trainer log-probs of vLLM's samples ({engine_agreement['dtype']}, {modality}, "
+                      f"{d['tokens']} tokens): max |diff| {d['max']:.3f}, mean {d['mean']:.4f}")  # fmt: skip
     if tower:
         print(
             f"  log-probs vs padded ({agreement['attention']}, bf16): packed max |diff| "

@@ -76,7 +76,11 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
         assert not cfg.trainer.export_hf  # no 15 GB fp32 export written for nothing
         assert cfg.actor.lora_rank == (8 if args.lora else 0) and cfg.trainer.n_gpus_per_node == 1
         assert cfg.rollout.gpu_memory_utilization == (0.4 if args.family == "qwen3_5" else 0.2)
+        assert cfg.rollout.enforce_eager is False  # CUDA graphs on, as a real run has them
     assert cfg.actor.ref_offload and cfg.data.max_response_length == 64  # --set comes last, and wins
+    args = gpu_check.parse_args(["--enforce-eager"])
+    path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
+    assert load_config(path, overrides).rollout.enforce_eager
     with pytest.raises(SystemExit):  # Qwen3.5-9B's full fine-tuning: 140 GiB of fp32 state before anything else
         gpu_check.parse_args(["--family", "qwen3_5"])
 
@@ -138,3 +142,41 @@ def test_gpu_check_logprob_agreement_runs_on_cpu(tiny_family_dir, tmp_path, fami
     assert diffs["attention"] == "sdpa_packed"
     for name in ("packed", "shared_prefix"):
         assert diffs[name]["max"] < 1e-4, (name, diffs[name])
+
+
+def test_gpu_check_sets_the_devices_rollout_memory_beside_the_plan():
+    """Guards against comparing the plan with the wrong reading: the engine's own sleep at start (before the trainer's
+    model loads) must not count, the device's use is total - free right before a loop's sleep (the most of them), and
+    the deviation is the plan's relative to the device."""
+    gpu_check = load_gpu_check()
+    sleeps = [
+        {"before": 60.0, "after": 78.0, "total": 80.0},  # at start: vLLM awake alone
+        {"before": 10.0, "after": 28.0, "total": 80.0},
+        {"before": 12.0, "after": 29.0, "total": 80.0},
+    ]
+    memory = gpu_check.rollout_memory(sleeps, planned_gib=77.0)
+    assert memory["device_used_gib_awake"] == 70.0 and memory["planned_rollout_gib"] == 77.0
+    assert abs(memory["plan_vs_device"] - 0.10) < 1e-9 and memory["freed_by_sleep_gib"] == 17.5
+    assert gpu_check.rollout_memory(sleeps[:1], 77.0) == {}  # no loop sleep: nothing to compare
+
+
+def test_gpu_check_engine_vs_trainer_runs_on_cpu(tiny_model_dir, tmp_path):
+    """Guards against the per-modality comparison of vLLM's log-probs with the trainer's being broken (it runs only at
+    the end of a GPU session): on CPU in fp32, in the fresh process main() starts for it, after a weight sync, text
+    and image answers both agree within tests/test_vllm.py's bounds."""
+    import json
+    import subprocess
+    import sys
+
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=8, seed=0)
+    cmd = [sys.executable, os.path.join(REPO, "bench", "gpu_check.py"), "--engine-vs-trainer", tiny_model_dir,
+           str(tmp_path), "--response-tokens", "16"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29571"}
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "engine_vs_trainer.json").read_text())
+    assert result["dtype"] == "float32"
+    assert result["text"]["max"] <= 1e-4 and result["image"]["max"] <= 0.05, result
+    assert result["text"]["tokens"] > 0 and result["image"]["tokens"] > 0

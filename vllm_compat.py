@@ -1,0 +1,103 @@
+"""What differs between the vLLM releases the engine code runs on (0.26 to 0.33), each decided here once.
+
+rollout.VLLMEngine is written against 0.32/0.33; these few helpers make it mean the same on 0.26 (the last release
+built for torch 2.11). Every choice comes from what the installed vLLM has (a field, an attribute, a parameter, an
+importable package), not from its version string, so a patched or back-ported build still gets the right branch.
+"""
+
+import dataclasses
+import importlib.util
+import inspect
+import math
+import os
+
+
+def engine_args() -> set[str]:
+    """The names `LLM(...)` accepts as engine arguments (EngineArgs' fields): it raises TypeError on any other."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def processor_normalization() -> dict:
+    """`LLM(...)` arguments that leave the pixels' normalization to the HF processors (each modality with its own
+    processor's mean and std). vLLM 0.32/0.33 normalize on the device, videos with the IMAGE processor's mean and std,
+    unless mm_device_do_normalize=False; vLLM 0.26 has no such argument (LLM raises TypeError on it) and always
+    normalizes in the HF processor, so there is nothing to switch off."""
+    return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in engine_args() else {}
+
+
+def skip_engine_teardown(llm) -> None:
+    """At exit vLLM 0.32/0.33's in-process client runs a weakref finalizer that shuts the engine core down and tears
+    torch.distributed down a second time, after main() did (an ignored traceback); the process is exiting anyway, so
+    it is detached. vLLM 0.26's in-process client registers none: nothing to skip."""
+    finalizer = getattr(llm.llm_engine.engine_core, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+
+
+def sampler_environment(on_cuda: bool) -> None:
+    """vLLM 0.26 and 0.33 both sample with flashinfer on CUDA by default (VLLM_USE_FLASHINFER_SAMPLER) and the
+    sampler's probe raises at engine start when flashinfer is not importable, which is the case with the vLLM 0.26 kit
+    for offline GPU machines (PyPI's vllm 0.33 depends on flashinfer). vLLM's own PyTorch sampler is taken then. A
+    value the user set wins. Off CUDA the variable is never read."""
+    if on_cuda and importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def budget_reads_modality_kwargs() -> bool:
+    """Whether the installed vLLM's Qwen-VL token-budget estimate (the largest image or video it profiles memory for
+    and sizes the encoder cache by) reads per-modality `images_kwargs`/`videos_kwargs` in mm_processor_kwargs: vLLM
+    0.32/0.33 do (`_get_vision_info` takes the modality); vLLM 0.26 reads only a flat size/min_pixels/max_pixels and
+    otherwise estimates from the checkpoint's processor defaults."""
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
+
+    return "modality" in inspect.signature(Qwen2VLProcessingInfo._get_vision_info).parameters
+
+
+def modality_kwargs(image: dict, video: dict) -> dict:
+    """mm_processor_kwargs with the images' and the videos' own processor arguments. vLLM 0.32/0.33 take them scoped
+    (images_kwargs / videos_kwargs) all the way. vLLM 0.26's Qwen3-VL and Qwen3.5 processors set do_sample_frames
+    themselves as a flat argument (from the clip's metadata) unless a flat one is there, and transformers refuses it
+    twice ("passed two times"): there do_sample_frames goes flat (the image processor ignores it). Decided by the
+    same feature as budget_reads_modality_kwargs: the release whose Qwen-VL code reads per-modality kwargs."""
+    if budget_reads_modality_kwargs():
+        return {"images_kwargs": image, "videos_kwargs": video}
+    flat = {k: v for k, v in video.items() if k == "do_sample_frames"}
+    return {"images_kwargs": image, "videos_kwargs": {k: v for k, v in video.items() if k not in flat}, **flat}
+
+
+def capped_profile(limits: dict, image_pixels: int, frame_pixels: int, frames: int, side: int) -> dict:
+    """limit_mm_per_prompt with the largest image and video vLLM profiles memory with capped at the run's bounds.
+    Where the budget estimate misses per-modality kwargs (vLLM 0.26, budget_reads_modality_kwargs) a video run would
+    profile the checkpoint's default largest image (Qwen2.5-VL's: 12.8 M pixels, 16,384 tokens), leaving the KV cache
+    less memory than on 0.32/0.33; the per-modality dummy options (vLLM 0.26 to 0.33) cap those profiling inputs."""
+    return {"image": {"count": limits["image"], **most_tokens(image_pixels, side)},
+            "video": {"count": limits["video"], "num_frames": frames, **most_tokens(frame_pixels, side)}}  # fmt: skip
+
+
+def most_tokens(pixels: int, side: int) -> dict:
+    """The size of an image of at most `pixels` with the most merged vision tokens (sides multiples of `side`, one
+    token): the token count factored into the two sides closest to square, with a lower count where that would be
+    more than 200:1 (the processors refuse such images), as vLLM picks its own largest profiling input."""
+    for tokens in range(pixels // side**2, 0, -1):
+        height = next(d for d in range(math.isqrt(tokens), 0, -1) if tokens % d == 0)
+        if tokens // height <= 200 * height:
+            return {"width": side * (tokens // height), "height": side * height}
+    return {"width": side, "height": side}
+
+
+def clip_metadata_per_request(model_path: str) -> bool:
+    """Whether each video's metadata (its frame rate, the indices sampled) must travel as a per-request processor
+    argument. The engine hands vLLM a video as (frames, metadata); Qwen2.5-VL's processor spaces the temporal
+    positions by the sampled frame rate the metadata gives (second_per_grid_ts). vLLM 0.32/0.33 pass that metadata to
+    the HF processor (Qwen2.5-VL's multimodal processor splits it off in `_get_hf_mm_inputs`); vLLM 0.26 drops it for
+    Qwen2.5-VL, so the processor assumes 24 frames/s and the video's positions differ from the trainer's. Qwen3-VL and
+    Qwen3.5 keep it in every version claimed (their data parser needs the metadata)."""
+    from transformers import AutoConfig
+
+    if AutoConfig.from_pretrained(model_path).model_type != "qwen2_5_vl":
+        return False
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLMultiModalProcessor
+
+    return not hasattr(Qwen2_5_VLMultiModalProcessor, "_get_hf_mm_inputs")
