@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lora import LORA_ADAPTER, add_lora, base_name, is_lora_factor, lora_delta, merged_parameters
+from lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
 from models import load_model, reshard
 from runtime import phase, print0, resolve_path
 
@@ -468,12 +468,10 @@ def save_adapter(model, out_dir):
 def _write_safetensors(path, items, rank):
     """Collective: write [(name, tensor, LoRA layer or None)] as one safetensors file without holding more than one
     full tensor (a LoRA layer's weight is written merged, + lora_delta). Every rank all-gathers each tensor in turn
-    (full_tensor(), in the same order everywhere) and rank 0 appends its bytes.
+    (lora.full_tensor, in the same order everywhere) and rank 0 appends its bytes.
     The layout: the header's length (8 bytes, little-endian), the JSON header (dtype, shape and byte range of each
     tensor, padded with spaces to a multiple of 8), then the tensors' bytes back to back."""
     import struct
-
-    from torch.distributed.tensor import DTensor
 
     f = open(path, "wb") if rank == 0 else None  # noqa: SIM115
     try:
@@ -488,7 +486,7 @@ def _write_safetensors(path, items, rank):
             blob += b" " * (-len(blob) % 8)
             f.write(struct.pack("<Q", len(blob)) + blob)
         for _, t, lora in items:
-            full = t.full_tensor() if isinstance(t, DTensor) else t
+            full = full_tensor(t)
             if lora is not None:  # merged in fp32, written in the header's dtype, the base's (bf16 on GPU)
                 full = (full + lora_delta(lora)).to(full.dtype)
             if rank == 0:

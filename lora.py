@@ -113,7 +113,38 @@ def adapters_disabled(model):
 
 
 def full_tensor(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """The whole of a tensor that may be an FSDP2 shard (a DTensor): collective then, every rank must call it.
+
+    On CPU (gloo) a dim-0 shard is gathered by all_gather_rows, not by DTensor.full_tensor(): that one goes through
+    the functional collectives, which gloo runs as allgather_into_tensor_coalesced, and a stream of those (the weight
+    sync's, the export's) corrupts the heap now and then. Each of a gloo group's two worker threads stores the name
+    of the op it just finished in the group's status without a lock (ProcessGroupGloo::runLoop,
+    `pgStatus_->lastCompletedWorkName`, torch 2.13); "ALLGATHER_COALESCED" is too long for std::string's inline
+    buffer, so two such ops finishing together free the same buffer twice. all_gather_single runs as "ALLGATHER",
+    which is stored in place: nothing is freed. Elsewhere (NCCL, other placements) DTensor.full_tensor()."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = [(i, p) for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if t.device.type != "cpu" or len(sharded) != 1 or type(sharded[0][1]) is not Shard or sharded[0][1].dim != 0:
+        return t.full_tensor()
+    return all_gather_rows(t.to_local(), t.shape[0], t.device_mesh.get_group(sharded[0][0]))[0]
+
+
+def all_gather_rows(local, n, group, async_op=False):
+    """(the whole (n, ...) tensor, the work or None) from every rank's dim-0 share of it, split as torch.chunk splits
+    (DTensor's Shard(0): ceil(n / world) rows each, the last shares short or empty), with all_gather_single. Collective;
+    with async_op the tensor holds the gathered rows once work.wait() has returned."""
+    dist = torch.distributed
+    world = dist.get_world_size(group)
+    rows = -(-n // world)  # a share, padded
+    if local.shape[0] < rows:
+        local = torch.cat([local, local.new_zeros(rows - local.shape[0], *local.shape[1:])])
+    out = local.new_empty(rows * world, *local.shape[1:])
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the former from torch 2.13
+    work = gather(out, local.contiguous(), group=group, async_op=async_op)
+    return out[:n], work
 
 
 @torch.no_grad()
