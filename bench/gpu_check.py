@@ -301,8 +301,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         "data.max_prompt_length=2048", f"data.max_response_length={response_tokens}",
         "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={2 * prompts * n}",
         f"rollout.enforce_eager={str(enforce_eager).lower()}", f"rollout.cpu_kv_cache_bytes={256 << 20}",
-        "rollout.max_images_per_prompt=2",  # the geo3k-shaped data has one- and two-figure problems
     ])  # fmt: skip
+    rollout.check_prompt_limits(cfg.rollout, [dataset])  # the engine's images a prompt: the data's most, as in training
     engine = rollout.make_engine(cfg, processor)
     model = models.load_model(model_dir, device, "auto")
     models.apply_fsdp(model, device)

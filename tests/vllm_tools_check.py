@@ -40,7 +40,7 @@ def main():
     cfg = train_grpo.load_config(None, [
         "rollout.engine=vllm", f"actor.model_path={model_dir}", f"data.min_pixels={BOUNDS[0]}",
         f"data.max_pixels={BOUNDS[1]}", "data.max_prompt_length=256", "data.max_response_length=256",
-        f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_images_per_prompt=2",
+        f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_images_per_prompt=2", "rollout.max_videos_per_prompt=0",
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
