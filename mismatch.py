@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from batching import mask_tool_turns
 from runtime import print0
 
 SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
@@ -324,10 +325,13 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
     for logp, s in zip(old_logps, samples):
         kind = modality(prompts[s.prompt_index])
         engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
-        measure(logp[None], engine[None], torch.ones_like(engine)[None], [kind], stats)
+        mask = torch.ones_like(engine)  # (T,)
+        mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
+        measure(logp[None], engine[None], mask[None], [kind], stats)
         x = (logp.double() - engine.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
         group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
-        group[1], group[2] = group[1] + (torch.expm1(x) - x).sum().item(), group[2] + len(x)
+        group[1] += ((torch.expm1(x) - x) * mask).sum().item()
+        group[2] += int(mask.sum().item())
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens in groups.values():
         i = MODALITIES.index(kind)

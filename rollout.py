@@ -526,7 +526,7 @@ def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
             for what in ("images", "videos")}  # fmt: skip
     auto = {"images": most["images"] or int(not most["videos"]), "videos": most["videos"]}
     if rollout_cfg.tools:  # the prompt's images and one from each tool turn go to vLLM in one request
-        auto["images"] = most["images"] + rollout_cfg.max_turns - 1
+        auto["images"] = max(auto["images"], most["images"] + rollout_cfg.max_turns - 1)
     for what, count in most.items():
         key = f"max_{what}_per_prompt"
         limit = getattr(rollout_cfg, key)

@@ -203,6 +203,28 @@ def test_bypass_takes_the_engines_logprobs_or_says_it_has_none():
             engine_logps([Sample(0, [5, 6], logprobs, "", False)])
 
 
+def test_guard_leaves_tool_turns_out_and_still_sees_the_models_tokens(one_rank_group):
+    """Guards against the start guard counting a tool turn's tokens: the engine gives them log-prob 0 (it did not
+    sample them) while the trainer scores them as any token, so a tool run would be stopped at its first step
+    though engine and trainer agree on every token the model wrote. A gap on the model's own tokens must still stop
+    it, and the printed figure must count the model's tokens only."""
+    from types import SimpleNamespace
+
+    from mismatch import check_start
+    from rollout import Sample
+
+    prompts = [SimpleNamespace(image_grid_thw=torch.tensor([[1, 2, 2]]))]  # an image prompt
+    turn = SimpleNamespace(start=2, input_ids=torch.tensor([7, 8, 9]))  # 3 tool tokens after the model's first 2
+    engine = [-0.5, -1.0, 0.0, 0.0, 0.0, -0.25, -2.0]
+    trainer = _t([-0.5, -1.0, -9.0, -6.0, -4.0, -0.25, -2.0])  # same on the model's 4 tokens, far on the tool's
+    sample = Sample(0, [1, 2, 7, 8, 9, 3, 4], engine, "", False, turns=[turn])
+    check_start([trainer], [sample], prompts, 0.01, 1)  # passes: the only gap is on the tool turn
+    off = trainer.clone()
+    off[5] = -0.25 + 1.0  # one model token off by 1 nat: k3 = e - 2 = 0.718 over 4 tokens, 0.18 a token
+    with pytest.raises(SystemExit, match=r"image samples of step 1 have a mismatch KL of 0\.18 "):
+        check_start([off], [sample], prompts, 0.01, 1)
+
+
 def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
     """configs/tiny.yaml on 2 ranks through tests/mismatch_check.py with `fault` injected into the engine; returns
     (the train rows of metrics.jsonl or None, stdout + stderr)."""

@@ -152,8 +152,9 @@ def test_stderr_filter_drops_only_the_named_cpp_lines(capfd):
 def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tmp_path):
     """Guards against the libraries' notes coming back into a run's log (a filter installed after vLLM is imported,
     the C++ NUMA line escaping the stderr filter, a progress bar): a 2-step vLLM run on one rank, everything it
-    writes to stdout and stderr, must hold none of quiet.py's messages and nothing but the header, the data lines
-    and one line per step (the demo's 30 steps make 44 lines so)."""
+    writes to stdout and stderr, must hold none of quiet.py's messages and nothing but the header, the data lines,
+    the first step's mismatch figures (the start guard) and one line per step (the demo's 30 steps make 45 lines
+    so)."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
@@ -169,8 +170,10 @@ def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tm
     texts += [text for text, _ in quiet.PRINTED] + ["Loading safetensors checkpoint shards"]
     assert [line for line in lines if any(text in line for text in texts)] == []
     heads = ("config: ", "run: ", "versions: ", "memory plan", "  ", "host memory", "train: ", "trainable", "step ")
+    heads += ("mismatch KL at step 1 ",)
     assert [line for line in lines if not line.startswith(heads)] == [], lines
     assert sum(line.startswith("step ") for line in lines) == 2
+    assert sum(line.startswith("mismatch KL") for line in lines) == 1  # once a run, not once a rank or a step
 
 
 def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():

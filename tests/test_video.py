@@ -371,8 +371,8 @@ def test_prompt_limits_follow_the_data_or_are_checked_before_the_models_load(tin
     processor = _processor(tiny_family_dir, "qwen2_5_vl")
     ds = PromptDataset(make_mixed_media(str(tmp_path / "mixed.parquet"), n_rows=8), processor, format_prompt=None,
                        **BUDGET)  # fmt: skip
-    limits = lambda engine, images, videos: SimpleNamespace(  # noqa: E731
-        engine=engine, max_images_per_prompt=images, max_videos_per_prompt=videos
+    limits = lambda engine, images, videos, tools=(), turns=4: SimpleNamespace(  # noqa: E731
+        engine=engine, max_images_per_prompt=images, max_videos_per_prompt=videos, tools=list(tools), max_turns=turns
     )
     rollout.check_prompt_limits(limits("vllm", 1, 1), [ds, None])
     rollout.check_prompt_limits(limits("hf", 0, 0), [ds])
@@ -390,3 +390,8 @@ def test_prompt_limits_follow_the_data_or_are_checked_before_the_models_load(tin
         assert (cfg.max_images_per_prompt, cfg.max_videos_per_prompt) == expected  # what the engine is built with
     cfg = limits("vllm", 3, -1)  # an explicit limit above the data's is kept
     assert rollout.check_prompt_limits(cfg, [ds]) == (3, 1) and cfg.max_images_per_prompt == 3
+    # with tools each turn after the first may bring one image (a crop): the data's most plus max_turns - 1, and
+    # never 0 (text-only data and a single turn must still build the vision tower)
+    for rows, turns, expected in ((range(8), 4, (4, 1)), ([1, 5], 3, (2, 1)), ([3, 7], 1, (1, 0))):
+        cfg = limits("vllm", -1, -1, tools=["tools.py:crop"], turns=turns)
+        assert rollout.check_prompt_limits(cfg, [torch.utils.data.Subset(ds, rows)]) == expected, (rows, turns)
