@@ -1,6 +1,6 @@
-"""Model families: Qwen2.5-VL, Qwen3-VL and Qwen3.5 through the same loading, packing and shared-prefix
-code, each held to a reference computation on a tiny random model of its own family (real config, processor and
-tokenizer classes, scripts/make_tiny_model.py --family)."""
+"""Model families: Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the mixture-of-experts Qwen3-VL-MoE and Qwen3.5-MoE through
+the same loading, packing and shared-prefix code, each held to a reference computation on a tiny random model of its
+own family (real config, processor and tokenizer classes, scripts/make_tiny_model.py --family)."""
 
 import json
 import os
@@ -17,7 +17,8 @@ from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"]
+SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe"
 
 
 def _grads(model):
@@ -29,7 +30,9 @@ def test_packed_equals_padded(tiny_family_dir, family):
     """Guards against a family whose packed row mixes its sequences: attention that crosses sequences (a mask built
     from Qwen3-VL's positions would override the layout), mRoPE positions of the wrong family (Qwen3-VL's and
     Qwen3.5's interleaved sections), Qwen3.5's linear-attention state carried from one sequence into the next, and
-    a packed backward that differs from the padded one. The padded batch is the reference."""
+    a packed backward that differs from the padded one, and, in an MoE family, tokens routed differently packed than
+    padded (the router sees each token alone, so a pad or a neighbour must not change its experts). The padded batch
+    is the reference."""
     from transformers import AutoProcessor
 
     path = tiny_family_dir(family)
@@ -101,11 +104,13 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
-    left uninitialised) and against an export in other names than the checkpoint's."""
+    left uninitialised, an MoE's experts read untransposed or from the wrong experts) and against an export in other
+    names or shapes than the checkpoint's (Qwen3-VL-MoE's experts transposed, Qwen3.5-MoE's one tensor per expert,
+    as vLLM's loaders take them)."""
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -121,9 +126,16 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path
         checkpoint.save_hf(model, AutoProcessor.from_pretrained(path), str(export))
     finally:
         dist.destroy_process_group()
-    names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
-    assert names(str(export)) == names(path)
+
+    def shapes(d):
+        return {k: safe_open(f, "pt").get_slice(k).get_shape() for f in models._safetensors_files(d)
+                for k in safe_open(f, "pt").keys()}  # fmt: skip
+
+    assert shapes(str(export)) == shapes(path)
     assert models.unsupported_model(str(export)) is None
+    if family.endswith("_moe"):  # the export's experts are the checkpoint's, in its layout
+        assert mismatches(AutoModelForImageTextToText.from_pretrained(str(export), dtype=torch.float32),
+                          AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)) == []  # fmt: skip
 
 
 def _copy_checkpoint(src, dst, edit):
@@ -153,7 +165,7 @@ def test_weights_missing_or_unexpected_stop_at_start(tiny_family_dir, tmp_path, 
 
     for name, edit, message in (("extra", extra, "unexpected"), ("lacking", lacking, "missing")):
         bad = _copy_checkpoint(path, tmp_path / name, edit)
-        with pytest.raises(ValueError, match=f"1 {message} tensors.*supported: qwen2_5_vl, qwen3_vl, qwen3_5"):
+        with pytest.raises(ValueError, match=f"1 {message} tensors.*{SUPPORTED}"):
             models.load_model(bad, cpu, "sdpa", meta=meta)
         if meta:  # the start-up check (train_grpo.check_paths) says the same before anything loads
             assert f"1 {message} tensors" in models.unsupported_model(bad)
@@ -164,12 +176,12 @@ def test_weights_missing_or_unexpected_stop_at_start(tiny_family_dir, tmp_path, 
 
 def test_unsupported_model_type_stops_at_start(tiny_family_dir, tmp_path):
     """Guards against loading a checkpoint of another family into one of ours: one line naming its model_type and
-    the supported list, from both the start-up check and the loader."""
-    path = shutil.copytree(tiny_family_dir("qwen3_vl"), tmp_path / "moe")
+    the supported list (the MoE families in it), from both the start-up check and the loader."""
+    path = shutil.copytree(tiny_family_dir("qwen3_vl"), tmp_path / "omni")
     config = json.loads((path / "config.json").read_text())
-    config["model_type"] = "qwen3_vl_moe"
+    config["model_type"] = "qwen3_omni_moe"
     (path / "config.json").write_text(json.dumps(config))
-    message = "model_type 'qwen3_vl_moe' is not supported; supported: qwen2_5_vl, qwen3_vl, qwen3_5"
+    message = f"model_type 'qwen3_omni_moe' is not supported; {SUPPORTED}"
     assert models.unsupported_model(str(path)) == message
     with pytest.raises(ValueError, match=message):
         models.load_model(str(path), torch.device("cpu"), "sdpa")
