@@ -12,7 +12,8 @@ Checkpoints store them in one of three layouts, and from_pretrained converts whi
   for it.
 models.load_weights reads a rank's experts from any of them (read_experts), and checkpoint.save_hf writes them back
 in the layout the checkpoint had (export_pieces), so that from_pretrained and vLLM load an export as they loaded the
-original.
+original. The weight sync streams them to vLLM one expert at a time (stream_experts), in the per-expert names, which
+vLLM's loaders take for both families.
 
 The experts' forward is transformers' own (`experts_implementation`), chosen per device by experts_implementation:
 its grouped GEMM on CUDA, its loop over the experts on CPU.
@@ -93,6 +94,34 @@ def export_pieces(name: str, kind: str, shape) -> list[tuple[str, tuple, callabl
         for i in range(e)
         for j, part in enumerate(parts)
     ]
+
+
+def stream_experts(name: str, param, dtype):
+    """Yield (vLLM's name, tensor) for every expert of the model's expert parameter `name`, one expert at a time, as
+    the per-expert checkpoint tensors (`experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)), in
+    `dtype`. Collective under FSDP2: every rank of the shard group must iterate it to the end. Each expert is
+    broadcast from the rank whose dim-0 shard holds it, so a rank holds one expert's tensor beside vLLM's weights,
+    never the whole gathered parameter (a layer's experts are most of its weights: 1.2 GB of bf16 per layer of
+    Qwen3-VL-30B-A3B)."""
+    import torch.distributed as dist
+
+    m = EXPERT_PARAM.match(name)
+    parts = PARTS[m["proj"]]
+    mesh = getattr(param, "device_mesh", None)
+    local = param.to_local() if mesh is not None else param
+    group = mesh.get_group(0) if mesh is not None else None
+    per_rank = -(-param.shape[0] // mesh.size()) if mesh is not None else param.shape[0]  # torch.chunk's split
+    for e in range(param.shape[0]):
+        owner, row = divmod(e, per_rank)
+        if mesh is None:
+            expert = local[e].to(dtype)
+        else:
+            mine = mesh.get_local_rank() == owner
+            expert = local[row].to(dtype).contiguous() if mine else local.new_empty(param.shape[1:], dtype=dtype)
+            dist.broadcast(expert, src=dist.get_global_rank(group, owner), group=group)
+        rows = expert.shape[0] // len(parts)
+        for j, part in enumerate(parts):
+            yield f"{m['prefix']}.{e}.{part}.weight", expert[j * rows : (j + 1) * rows]
 
 
 def experts_implementation(device) -> str:

@@ -364,7 +364,9 @@ def build_qwen3_vl_config(tokenizer, moe: bool = False) -> Qwen3VLConfig | Qwen3
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
                          "mrope_interleaved": True},
         **special,
-        **(dict(TINY_EXPERTS, decoder_sparse_step=1) if moe else {}),
+        # norm_topk_prob: the routing weights of a token's top-k renormalised to sum to 1, as transformers' router
+        # always does; Qwen3-VL-30B-A3B's config.json says so and vLLM's loader reads the key
+        **(dict(TINY_EXPERTS, decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
     )  # fmt: skip
     return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text_config,
