@@ -431,7 +431,9 @@ class VLLMEngine:
 
         # With an iterator reload_weights re-runs vLLM's post-load processing (CPU repacks weights); WITHOUT one it
         # would reload the checkpoint from disk and silently drop the sync.
-        if self.cpu_moe:  # (else vLLM 0.32 leaves the reloaded experts unpacked on CPU)
+        # (else vLLM 0.32 leaves reloaded experts unpacked on CPU; only when they come: a LoRA resync sends none, and
+        # a layer that gets nothing keeps its tensors and must keep its kernel)
+        if self.cpu_moe and any(moe.EXPERT_PARAM.match(name) for name, _, _ in params):
             self.llm.apply_model(vllm_compat.forget_cpu_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         self.synced = True

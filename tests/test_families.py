@@ -251,7 +251,21 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
           + f"; share of tokens over 0.05: {over:.3f} (before the sync {before:.2f})")  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_lora_resync_of_an_moe_leaves_its_experts_as_they_are(tiny_family_dir, tmp_path):
+    """Guards against a LoRA resync that breaks an MoE engine: with adapters on attention, Qwen3.5-MoE's shared
+    expert (down_proj) and the tower, a resync sends those modules only, never the experts, and the engine's MoE
+    layers, which get nothing, must keep their CPU kernels (one dropped for a reload that sends nothing would leave
+    the layer without one). The log-probs after the resync are the trainer's, to bf16 with its routing flips."""
+    torchrun(2, "tests/vllm_check.py", tiny_family_dir("qwen3_5_moe"), str(tmp_path), "1", "lora")
+    for r in range(2):
+        rank = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert rank["resynced"] and not any(".experts." in n for n in rank["resynced"])
+        assert any(".shared_expert.down_proj." in n for n in rank["resynced"])
+        assert rank["over_before_sync"] > 0.5 and rank["over_text"] <= 0.1 and rank["over_image"] <= 0.1
+        assert max(rank["diff_text"], rank["diff_image"], rank["diff_video"]) <= VLLM_BOUNDS["qwen3_5_moe"][0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family):
     """Guards against a family that loads, shards and samples but does not learn: FSDP2 units that leave a part
     unsharded or untrained, a sync that silently fails (the engine keeps sampling from the initial model), packed
