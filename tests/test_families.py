@@ -265,7 +265,10 @@ def test_lora_resync_of_an_moe_leaves_its_experts_as_they_are(tiny_family_dir, t
         assert max(rank["diff_text"], rank["diff_image"], rank["diff_video"]) <= VLLM_BOUNDS["qwen3_5_moe"][0]
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
+# (Of the MoE families only Qwen3.5-MoE, whose path has the most of its own -- linear attention, a shared expert, an
+# engine in bf16 that routes some tokens otherwise -- to keep the suite's time: Qwen3-VL-MoE learns as well when run,
+# 0.029 -> 0.881.)
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family):
     """Guards against a family that loads, shards and samples but does not learn: FSDP2 units that leave a part
     unsharded or untrained, a sync that silently fails (the engine keeps sampling from the initial model), packed
