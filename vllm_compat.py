@@ -42,8 +42,9 @@ def forget_cpu_moe_kernels(model) -> int:
     processing on reload but, once the layer has a kernel, skips the experts' own step, which on CPU prepacks the
     weights into its grouped-GEMM layout: the new weights would be read as if packed (measured: a sync of unchanged
     weights moved the tiny Qwen3-VL-MoE's log-probs by 0.18). With no kernel the reload builds one and prepacks, and
-    vLLM copies the result into the tensors it had (CUDA's experts have no such step, and CUDA graphs hold those
-    tensors: there the kernel is kept). A model without experts is left as it is."""
+    vLLM copies the result into the tensors it had. On CUDA the kernel is kept: CUDA graphs hold those tensors, and
+    the step is a no-op for the bf16 experts there (Triton's, FlashInfer CUTLASS's act on quantized weights only).
+    A model without experts is left as it is."""
     n = 0
     for module in model.modules():
         method = getattr(module, "quant_method", None)
