@@ -7,8 +7,9 @@
 - load_policy_and_reference: the trainable policy (master weights in actor.master_dtype) and the frozen reference,
   ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters (lora.py) and the reference is
   the policy itself with its adapters switched off (lora.adapters_disabled), so no second model is loaded.
-- FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL and Qwen3.5 (one small table); the start-up checks that a
-  checkpoint is one of them, whole (unsupported_model).
+- FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's mixtures of experts (one small
+  table; the experts' own code in moe.py); the start-up checks that a checkpoint is one of them, whole
+  (unsupported_model).
 - sdpa_packed and packed_position_ids: attention and mRoPE positions that keep a packed row's sequences apart.
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
