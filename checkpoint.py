@@ -22,6 +22,7 @@ import enum
 import errno
 import io
 import json
+import math
 import os
 import pickle
 import time
@@ -29,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+import moe
 from lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
 from models import load_model, reshard
 from runtime import phase, print0, resolve_path
@@ -413,13 +415,18 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
     merge = {name: layer for name, _, layer in merged_parameters(model) if layer is not None}  # LoRA-adapted weights
     # the names save_pretrained writes (`model.language_model.layers.*` back to `model.layers.*`): checkpoint -> ours
     names = revert_weight_conversion(model, {name: name for name in tensors})
+    # what each of ours is written as: [(the checkpoint's name, shape, the cut of ours or None)]; an MoE's experts in
+    # the layout its checkpoint had (moe.export_pieces: transposed, or a tensor per expert)
+    pieces = {ours: [(key, tuple(tensors[ours].shape), None)] for key, ours in names.items()}
+    for ours, kind in getattr(model, "_expert_layouts", {}).items():
+        pieces[ours] = moe.export_pieces(ours, kind, tensors[ours].shape)
     files, size = [[]], 0
-    for key in sorted(names):
-        nbytes = tensors[names[key]].numel() * tensors[names[key]].element_size()
+    for ours in sorted(pieces, key=lambda ours: pieces[ours][0][0]):
+        nbytes = tensors[ours].numel() * tensors[ours].element_size()
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
             size = 0
-        files[-1].append(key)
+        files[-1].append(ours)
         size += nbytes
     filenames = ["model.safetensors"] if len(files) == 1 else [
         f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))
@@ -434,12 +441,13 @@ def save_hf(model, processor, out_dir, max_shard_bytes=50 * 10**9):
         model.config.save_pretrained(out_dir)
         model.generation_config.save_pretrained(out_dir)
         processor.save_pretrained(out_dir)
-    for filename, keys in zip(filenames, files):
-        items = [(key, tensors[names[key]], merge.get(names[key])) for key in keys]
+    for filename, ours in zip(filenames, files):
+        items = [(pieces[name], tensors[name], merge.get(name)) for name in ours]
         _write_safetensors(os.path.join(out_dir, filename), items, rank)
     if rank == 0 and len(files) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {key: fn for fn, keys in zip(filenames, files) for key in keys}}  # fmt: skip
+                 "weight_map": {key: fn for fn, ours in zip(filenames, files) for name in ours
+                                for key, _, _ in pieces[name]}}  # fmt: skip
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
     dist.barrier()
@@ -452,7 +460,7 @@ def save_adapter(model, out_dir):
     import copy
 
     reshard(model)
-    items = [(f"base_model.model.{name.replace(f'.{LORA_ADAPTER}.', '.')}", p, None)
+    items = [([(f"base_model.model.{name.replace(f'.{LORA_ADAPTER}.', '.')}", tuple(p.shape), None)], p, None)
              for name, p in model.named_parameters() if is_lora_factor(name)]  # fmt: skip
     rank = dist.get_rank()
     if rank == 0:
@@ -466,9 +474,11 @@ def save_adapter(model, out_dir):
 
 @torch.no_grad()
 def _write_safetensors(path, items, rank):
-    """Collective: write [(name, tensor, LoRA layer or None)] as one safetensors file without holding more than one
+    """Collective: write [(pieces, tensor, LoRA layer or None)] as one safetensors file without holding more than one
     full tensor (a LoRA layer's weight is written merged, + lora_delta). Every rank all-gathers each tensor in turn
-    (lora.full_tensor, in the same order everywhere) and rank 0 appends its bytes.
+    (lora.full_tensor, in the same order everywhere) and rank 0 appends the bytes of its pieces: [(name, shape, cut)],
+    cut(full) the piece written under that name, or None for the whole tensor (an MoE's experts are written as a
+    tensor per expert, or transposed: moe.export_pieces).
     The layout: the header's length (8 bytes, little-endian), the JSON header (dtype, shape and byte range of each
     tensor, padded with spaces to a multiple of 8), then the tensors' bytes back to back."""
     import struct
@@ -477,20 +487,23 @@ def _write_safetensors(path, items, rank):
     try:
         if rank == 0:
             header, offset = {"__metadata__": {"format": "pt"}}, 0
-            for key, t, _ in items:
-                nbytes = t.numel() * t.element_size()
-                header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                               "data_offsets": [offset, offset + nbytes]}  # fmt: skip
-                offset += nbytes
+            for pieces, t, _ in items:
+                for key, shape, _ in pieces:
+                    nbytes = math.prod(shape) * t.element_size()
+                    header[key] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(shape),
+                                   "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+                    offset += nbytes
             blob = json.dumps(header, separators=(",", ":")).encode()
             blob += b" " * (-len(blob) % 8)
             f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, t, lora in items:
+        for pieces, t, lora in items:
             full = full_tensor(t)
             if lora is not None:  # merged in fp32, written in the header's dtype, the base's (bf16 on GPU)
                 full = (full + lora_delta(lora)).to(full.dtype)
             if rank == 0:
-                f.write(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                for _, _, cut in pieces:
+                    piece = full if cut is None else cut(full)
+                    f.write(piece.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del full
     finally:
         if f is not None:

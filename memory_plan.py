@@ -85,17 +85,38 @@ class ModelShape:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     conv_kernel: int = 0  # Qwen3.5: the linear layers' causal depthwise convolution
+    # The mixture-of-experts families (`*_moe`): every decoder layer's MLP is `experts` routed experts of
+    # `expert_intermediate`, all stored (in parameters, gradients, optimizer state, the FSDP2 gathers), of which a
+    # token goes through its top `experts_per_token` (in activations and FLOPs), plus Qwen3.5-MoE's shared expert
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
 
     @property
     def dim(self) -> int:  # one attention head
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def base_family(self) -> str:  # an MoE family's dense sibling, whose attention and tower it has
+        return self.family.removesuffix("_moe")
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width a token goes through: the dense MLP's, or its top-k experts' and the shared expert's."""
+        if not self.experts:
+            return self.intermediate
+        return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
 
 
 # The public config.json numbers of the known hub ids, so a dry run of the shipped configs needs no download.
 # Qwen2.5-VL 3B and 7B are checked in the tests against their published totals (3.75 B, 8.29 B) and module shapes;
 # 32B and 72B are as their config.json files read (a vision MLP of 3456 instead of 3420), not checked here.
 # Qwen3-VL-8B (8.77 B) and Qwen3.5-9B (9.41 B without the multi-token-prediction layer that transformers does not
-# load; 9.65 B in its files) are checked against transformers' models built on the meta device.
+# load; 9.65 B in its files) are checked against transformers' models built on the meta device, and so are the
+# mixtures of experts Qwen3-VL-30B-A3B (31.07 B, 3.89 B active) and Qwen3.5-35B-A3B (35.11 B without its
+# multi-token-prediction layer, 3.90 B active): their numbers as their model cards' config.json give them (the hub's
+# files were not readable where these were written; transformers' Qwen3.5-MoE defaults are the same).
 _QWEN3_TOWER = dict(vision_depth=27, vision_hidden=1152, vision_intermediate=4304, patch=16, vision_positions=2304)
 KNOWN_SHAPES = {
     "Qwen/Qwen2.5-VL-3B-Instruct": ModelShape(2048, 11008, 36, 16, 2, 151936, tied=True),
@@ -110,6 +131,15 @@ KNOWN_SHAPES = {
         linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
         **_QWEN3_TOWER,
     ),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": ModelShape(
+        2048, 6144, 48, 32, 4, 151936, tied=False, family="qwen3_vl_moe", head_dim=128, deepstack=3, experts=128,
+        experts_per_token=8, expert_intermediate=768, **_QWEN3_TOWER,
+    ),
+    "Qwen/Qwen3.5-35B-A3B": ModelShape(
+        2048, 0, 40, 16, 2, 248320, tied=False, family="qwen3_5_moe", head_dim=256, linear_layers=30,
+        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        experts=256, experts_per_token=8, expert_intermediate=512, shared_expert_intermediate=512, **_QWEN3_TOWER,
+    ),
 }  # fmt: skip
 
 
@@ -121,18 +151,23 @@ def shape_from_config(config: dict) -> ModelShape:
         raise KeyError(f"model_type {family!r}")
     text = {**config, **config.get("text_config", {})}
     vision = config["vision_config"]
+    base = family.removesuffix("_moe")
+    if family.endswith("_moe") and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
+        raise KeyError("mlp_only_layers / decoder_sparse_step: dense MLP layers among the experts are not counted")
     layer_types = text.get("layer_types") or []
-    if family == "qwen3_5" and not layer_types:  # transformers' default: every full_attention_interval-th is full
+    if base == "qwen3_5" and not layer_types:  # transformers' default: every full_attention_interval-th is full
         every = text.get("full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % every == 0 else "x" for i in range(text["num_hidden_layers"])]
     return ModelShape(
         hidden=text["hidden_size"],
-        intermediate=text["intermediate_size"],
+        intermediate=text.get("intermediate_size", 0) if family.endswith("_moe") else text["intermediate_size"],
         layers=text["num_hidden_layers"],
         heads=text["num_attention_heads"],
         kv_heads=text["num_key_value_heads"],
         vocab=text["vocab_size"],
-        tied=bool(config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings")),
+        # the top level's flag when it has one: transformers 5 writes Qwen3-VL-MoE's text_config with its own default
+        # (true) beside the model's false, and ties by the latter
+        tied=bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))),
         vision_depth=vision["depth"],
         vision_hidden=vision["hidden_size"],
         vision_intermediate=vision["intermediate_size"],
@@ -143,13 +178,18 @@ def shape_from_config(config: dict) -> ModelShape:
         family=family,
         head_dim=text.get("head_dim", 0) if family != "qwen2_5_vl" else 0,
         vision_positions=vision.get("num_position_embeddings", 0) if family != "qwen2_5_vl" else 0,
-        deepstack=len(vision.get("deepstack_visual_indexes", [])) if family == "qwen3_vl" else 0,
-        linear_layers=sum(t != "full_attention" for t in layer_types) if family == "qwen3_5" else 0,
+        deepstack=len(vision.get("deepstack_visual_indexes", [])) if base == "qwen3_vl" else 0,
+        linear_layers=sum(t != "full_attention" for t in layer_types) if base == "qwen3_5" else 0,
         linear_key_heads=text.get("linear_num_key_heads", 0),
         linear_value_heads=text.get("linear_num_value_heads", 0),
         linear_key_dim=text.get("linear_key_head_dim", 0),
         linear_value_dim=text.get("linear_value_head_dim", 0),
         conv_kernel=text.get("linear_conv_kernel_dim", 0),
+        # (config.json names the experts num_experts, or num_local_experts as transformers writes Qwen3-VL-MoE's)
+        experts=text.get("num_experts", text.get("num_local_experts", 0)) if family.endswith("_moe") else 0,
+        experts_per_token=text.get("num_experts_per_tok", 0) if family.endswith("_moe") else 0,
+        expert_intermediate=text.get("moe_intermediate_size", 0) if family.endswith("_moe") else 0,
+        shared_expert_intermediate=text.get("shared_expert_intermediate_size", 0) if base == "qwen3_5" else 0,
     )
 
 
@@ -189,15 +229,25 @@ def _qwen2_5_vl_layers(s: ModelShape) -> list[int]:
     return [(h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h] * s.layers
 
 
+def _mlp(s: ModelShape) -> int:
+    """A decoder layer's MLP: gate, up, down without biases; or an MoE's router (experts x hidden), every expert's
+    gate, up and down (stored as two 3-D tensors), and Qwen3.5-MoE's shared expert with its one-output gate."""
+    h = s.hidden
+    if not s.experts:
+        return 3 * h * s.intermediate
+    shared = 3 * h * s.shared_expert_intermediate + h if s.shared_expert_intermediate else 0
+    return s.experts * h + s.experts * 3 * h * s.expert_intermediate + shared
+
+
 def _qwen3_vl_layers(s: ModelShape) -> list[int]:
-    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
-    # q, k, v, o without biases, RMSNorms over each head's q and k; gate, up, down; two RMSNorm weights
-    return [h * q + 2 * h * kv + q * h + 2 * s.dim + 3 * h * i + 2 * h] * s.layers
+    h, q, kv = s.hidden, s.heads * s.dim, s.kv_heads * s.dim
+    # q, k, v, o without biases, RMSNorms over each head's q and k; the MLP; two RMSNorm weights
+    return [h * q + 2 * h * kv + q * h + 2 * s.dim + _mlp(s) + 2 * h] * s.layers
 
 
 def _qwen3_5_layers(s: ModelShape) -> list[int]:
-    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
-    mlp_norms = 3 * h * i + 2 * h
+    h, q, kv = s.hidden, s.heads * s.dim, s.kv_heads * s.dim
+    mlp_norms = _mlp(s) + 2 * h
     # full attention: q_proj also gives the output gate (2q), k, v, o without biases, q/k RMSNorms
     full = h * 2 * q + 2 * h * kv + q * h + 2 * s.dim + mlp_norms
     # gated DeltaNet: in_proj_qkv, in_proj_z (gate), in_proj_b and in_proj_a (per value head), a depthwise conv over
@@ -234,24 +284,33 @@ PARAM_COUNTS = {  # model_type -> (decoder layers, vision tower)
     "qwen2_5_vl": (_qwen2_5_vl_layers, _qwen2_5_vl_tower),
     "qwen3_vl": (_qwen3_vl_layers, _qwen3_tower),
     "qwen3_5": (_qwen3_5_layers, _qwen3_tower),
+    "qwen3_vl_moe": (_qwen3_vl_layers, _qwen3_tower),
+    "qwen3_5_moe": (_qwen3_5_layers, _qwen3_tower),
 }
 
 
 def count_params(s: ModelShape) -> dict[str, int]:
     """Exact parameter counts of the family's transformers model (..ForConditionalGeneration), per FSDP2 unit: the
-    largest decoder layer, all of them, the vision tower, and the root."""
+    largest decoder layer, all of them, the vision tower, and the root; and `active`, those a token goes through
+    (an MoE's top-k experts of each layer, not all of them: what its FLOPs count)."""
     layers_of, tower_of = PARAM_COUNTS[s.family]
     layers, vision = layers_of(s), tower_of(s)
     root = s.vocab * s.hidden + s.hidden + (0 if s.tied else s.vocab * s.hidden)
-    return {"layer": max(layers), "layers": sum(layers), "vision": vision, "root": root,
-            "total": root + vision + sum(layers)}  # fmt: skip
+    total = root + vision + sum(layers)
+    idle = s.layers * (s.experts - s.experts_per_token) * 3 * s.hidden * s.expert_intermediate  # unrouted experts
+    return {"layer": max(layers), "layers": sum(layers), "vision": vision, "root": root, "total": total,
+            "active": total - idle}  # fmt: skip
 
 
 def _decoder_linears(s: ModelShape) -> list[dict[str, tuple[int, int]]]:
     """Each decoder layer's nn.Linear modules by name: (in, out) features."""
     h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
     mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-    gated = 2 if s.family == "qwen3_5" else 1  # Qwen3.5's q_proj also gives the attention output's gate
+    if s.experts:  # the experts are 3-D parameters, no Linear for an adapter; Qwen3.5-MoE's shared expert is one
+        i = s.shared_expert_intermediate
+        shared = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "shared_expert_gate": (h, 1)}
+        mlp = shared if i else {}
+    gated = 2 if s.base_family == "qwen3_5" else 1  # Qwen3.5's q_proj also gives the attention output's gate
     full = {"q_proj": (h, gated * q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
     keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
     linear = {"in_proj_qkv": (h, 2 * keys + values), "in_proj_z": (h, values), "in_proj_b": (h, s.linear_value_heads),
@@ -377,7 +436,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # Activations of one training micro-batch (bf16, 2 B an element). Its images can have at most merge^2 patches per
     # LM token, all in the vision tower at once; the tower's blocks are checkpointed like the decoder layers.
     t, patches = x.train_tokens, x.train_tokens * s.merge**2
-    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.intermediate, x.checkpointing, rope=2 * s.dim)
+    # (an MoE token's activations are those of its top-k experts: the MLP width it goes through)
+    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.active_intermediate, x.checkpointing, rope=2 * s.dim)
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
     vis_saved = 0 if frozen_tower else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
     lm_saved = 2 * t * lm_kept * s.layers
@@ -394,7 +454,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # roots gathered after a forward without backward, until the phase reshards them.
     tn = x.nograd_tokens
     nograd = max(
-        2 * tn * (4 * s.hidden + 3 * s.intermediate),
+        2 * tn * (4 * s.hidden + 3 * s.active_intermediate),
         2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
     )
     nograd += head(tn, False)
@@ -667,6 +727,8 @@ def format_plan(plan: Plan) -> str:
     phases, host, n = numbers["phases"], numbers["host"], numbers["params"]
     states = ("params", "grads", "adam", "reference")
     size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
+    if plan.shape.experts:  # a mixture of experts: all stored, the top-k computed
+        size += f", {n['active'] / 1e9:.2f} B active" if n["active"] >= 1e8 else f", {n['active'] / 1e6:.2f} M active"
     if x.lora_rank:
         adapters = lora_params(plan.shape, x.lora_rank, x.lora_targets)["total"]
         size += f", LoRA rank {x.lora_rank}: " + (f"{adapters / 1e6:.1f} M" if adapters >= 1e6 else f"{adapters:,}")

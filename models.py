@@ -7,8 +7,9 @@
 - load_policy_and_reference: the trainable policy (master weights in actor.master_dtype) and the frozen reference,
   ready for the loop; with actor.lora_rank > 0 the policy carries PEFT LoRA adapters (lora.py) and the reference is
   the policy itself with its adapters switched off (lora.adapters_disabled), so no second model is loaded.
-- FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL and Qwen3.5 (one small table); the start-up checks that a
-  checkpoint is one of them, whole (unsupported_model).
+- FAMILIES: what differs between Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's mixtures of experts (one small
+  table; the experts' own code in moe.py); the start-up checks that a checkpoint is one of them, whole
+  (unsupported_model).
 - sdpa_packed and packed_position_ids: attention and mRoPE positions that keep a packed row's sequences apart.
 - forward_logprobs: log-probs (and entropy) of the response tokens, with the LM head run in chunks
   (chunked_logprobs) so the full (B, T, vocab) logits never exist.
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import moe
 from linear_attention import use_packed_forward
 from lora import LORA_ADAPTER, add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
 
@@ -466,17 +468,24 @@ class Family:
     vllm_cpu_dtype: torch.dtype = torch.float32
     # Sampling one would put an image placeholder into a response: "Image features and image tokens do not match".
     vision_tokens: tuple = VISION_TOKENS
+    # Routed experts in every decoder layer (moe.py): 3-D expert parameters, stored in the checkpoint in a layout of
+    # their own, computed by transformers' experts_implementation.
+    moe: bool = False
 
 
 # model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
-# in-memory weight names transformers gives all three are the ones vLLM's loaders take (their hf_to_vllm_mapper
-# maps `model.language_model.` / `model.visual.` / `lm_head.`), so no family needs a name mapping for the sync.
+# in-memory weight names transformers gives the dense three are the ones vLLM's loaders take (their
+# hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs a name
+# mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every layer: the
+# same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision tokens.
+_QWEN3_5 = dict(linear_attention=True, vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16)
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
     "qwen3_vl": Family(tower_and_layers, 32),
-    "qwen3_5": Family(tower_and_layers, 32, linear_attention=True,
-                      vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16),
-}  # fmt: skip
+    "qwen3_5": Family(tower_and_layers, 32, **_QWEN3_5),
+    "qwen3_vl_moe": Family(tower_and_layers, 32, moe=True),
+    "qwen3_5_moe": Family(tower_and_layers, 32, **_QWEN3_5, moe=True),
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
@@ -571,9 +580,13 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         _keep_checkpoint_renaming(model, path)
     else:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        if family(model).moe:  # from_pretrained converted the experts; keep how they lie in the files, for the export
+            _keep_checkpoint_renaming(model, path)
     problem = tensor_name_problem(model, path)
     if problem:
         raise ValueError(f"{path}: {problem}")
+    if family(model).moe:
+        model.set_experts_implementation(moe.experts_implementation(device))
     if family(model).linear_attention:
         use_packed_forward(model)
     text_after_vision_continues(model)
@@ -595,13 +608,30 @@ def _keep_checkpoint_renaming(model, path):
     from transformers.core_model_loading import WeightRenaming, rename_source_key
 
     transforms = get_model_conversion_mapping(model)
-    if not all(isinstance(t, WeightRenaming) for t in transforms):  # e.g. fused experts: not renames, reshapes
+    # an MoE's experts are converted too (transposed, or stacked from per-expert tensors): moe.py reads and writes
+    # them itself, from a rank's own rows; any other conversion is a reshape this loader does not know
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    others = [t for t in transforms if not isinstance(t, WeightRenaming) and not _converts_experts(t)]
+    if others:
         raise NotImplementedError(f"{type(model).__name__}: its checkpoint needs conversions beyond renaming")
+    shapes = {}  # the checkpoint's tensors, renamed, -> their shapes
     for file in _safetensors_files(path):
         with safe_open(file, "pt") as f:
-            for key in f.keys():
-                rename_source_key(key, transforms, [])  # marks the renamings that apply
-    model._weight_conversions = [t for t in transforms if t.was_used()]
+            for key in f.keys():  # (renaming marks the renamings that apply)
+                shapes[rename_source_key(key, renamings, [])[0]] = tuple(f.get_slice(key).get_shape())
+    model._weight_conversions = [t for t in renamings if t.was_used()]
+    # an MoE's expert parameters -> how the files hold them (those the files lack, or hold in another shape, are
+    # left out: tensor_name_problem or load_weights names them)
+    layouts = {
+        name: moe.layout(name, p.shape, shapes) for name, p in model.named_parameters() if moe.EXPERT_PARAM.match(name)
+    }
+    model._expert_layouts = {name: kind for name, kind in layouts.items() if kind is not None}
+
+
+def _converts_experts(transform) -> bool:
+    """Whether a transformers WeightConverter is one of those that build the 3-D expert parameters (their target
+    is `experts.gate_up_proj` or `experts.down_proj`)."""
+    return all(re.search(r"experts\.(gate_up_proj|down_proj)$", t) for t in transform.target_patterns)
 
 
 def tensor_name_problem(model, path) -> str | None:
@@ -616,7 +646,7 @@ def tensor_name_problem(model, path) -> str | None:
     names = set()
     for file in _safetensors_files(path):
         with safe_open(file, "pt") as f:
-            names.update(rename_source_key(key, model._weight_conversions, [])[0] for key in f.keys())
+            names.update(moe.model_name(rename_source_key(key, model._weight_conversions, [])[0]) for key in f.keys())
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     # state_dict names a tied weight under both its names; named_parameters once (3B's lm_head is embed_tokens, and
     # its files hold only the latter)
@@ -800,10 +830,17 @@ def load_weights(model, path, device):
     for file in _safetensors_files(path):
         with safe_open(file, "pt") as f:
             where.update({rename_source_key(key, model._weight_conversions, [])[0]: (file, key) for key in f.keys()})
+    experts = getattr(model, "_expert_layouts", {})  # an MoE's expert parameters -> their checkpoint layout (moe.py)
+
+    def read(key, start=None, stop=None):  # rows [start, stop) of the checkpoint's tensor `key`, or all of it
+        file, name = where[key]
+        with safe_open(file, "pt") as f:
+            return f.get_slice(name)[start:stop]
+
     # tied weights once (3B's lm_head is embed_tokens, not in its files); LoRA factors are not in the files either:
     # init_lora fills them. A LoRA-wrapped layer's weight is its base_layer's (PEFT's name), the file's plain one.
     params = {name: p for name, p in model.named_parameters() if not is_lora_factor(name)}
-    missing = [base_name(name) for name in params if base_name(name) not in where]
+    missing = [base_name(name) for name in params if base_name(name) not in where and base_name(name) not in experts]
     if missing:
         raise ValueError(
             f"{path}: the safetensors lack {len(missing)} of the model's tensors: {', '.join(missing[:5])}"
@@ -815,6 +852,11 @@ def load_weights(model, path, device):
                 assert p.placements == (Shard(0),), f"{name}: FSDP2 placement {p.placements}, expected (Shard(0),)"
                 local = p.to_local()
                 start = min(p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()), p.shape[0])
+            if base_name(name) in experts:  # this rank's experts, whatever the checkpoint's layout
+                if local.shape[0]:
+                    local.copy_(moe.read_experts(base_name(name), experts[base_name(name)], read, start,
+                                                 start + local.shape[0]))  # fmt: skip
+                continue
             file, key = where[base_name(name)]
             with safe_open(file, "pt") as f:
                 rows = f.get_slice(key)
@@ -916,6 +958,8 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
         lora=lora,
     )  # fmt: skip
     root_forward(model, pad_id)
+    if family(model).moe and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(moe.describe(model), flush=True)
     ref_model = None
     if with_reference and lora is not None:
         ref_model = model

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import lora
 import models
+import moe
 import vllm_compat
 from batching import VISION_INPUTS, collate, pack
 from quiet import filtered_stderr, quiet_logs
@@ -308,6 +309,7 @@ class VLLMEngine:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
+        self.cpu_moe = family.moe and not on_cuda
         if self.dtype != torch.float32 and not on_cuda and rank == 0:
             print(f"rollout: vLLM's CPU kernels for this model need {self.dtype}: the engine samples in it, the "
                   "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
@@ -417,6 +419,9 @@ class VLLMEngine:
 
         def weights():
             for name, param, layer in params:
+                if layer is None and moe.EXPERT_PARAM.match(name):  # an MoE's experts: one expert at a time
+                    yield from moe.stream_experts(name, param.detach(), self.dtype)
+                    continue
                 if layer is None:
                     # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round
                     full = lora.full_tensor(param.detach().to(self.dtype))
@@ -426,6 +431,10 @@ class VLLMEngine:
 
         # With an iterator reload_weights re-runs vLLM's post-load processing (CPU repacks weights); WITHOUT one it
         # would reload the checkpoint from disk and silently drop the sync.
+        # (else vLLM 0.32 leaves reloaded experts unpacked on CPU; only when they come: a LoRA resync sends none, and
+        # a layer that gets nothing keeps its tensors and must keep its kernel)
+        if self.cpu_moe and any(moe.EXPERT_PARAM.match(name) for name, _, _ in params):
+            self.llm.apply_model(vllm_compat.forget_cpu_moe_kernels)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         self.synced = True
         # Cached KV and vision-encoder outputs belong to the old weights. reload_weights empties the runner's encoder

@@ -36,6 +36,24 @@ def skip_engine_teardown(llm) -> None:
         finalizer.detach()
 
 
+def forget_cpu_moe_kernels(model) -> int:
+    """Make the next weight reload set up every MoE layer's kernel as the first load did; returns how many there are.
+    Run on the engine's model (LLM.apply_model) before each sync, on CPU only. vLLM 0.32 re-runs an MoE layer's weight
+    processing on reload but, once the layer has a kernel, skips the experts' own step, which on CPU prepacks the
+    weights into its grouped-GEMM layout: the new weights would be read as if packed (measured: a sync of unchanged
+    weights moved the tiny Qwen3-VL-MoE's log-probs by 0.18). With no kernel the reload builds one and prepacks, and
+    vLLM copies the result into the tensors it had. On CUDA the kernel is kept: CUDA graphs hold those tensors, and
+    the step is a no-op for the bf16 experts there (Triton's, FlashInfer CUTLASS's act on quantized weights only).
+    A model without experts is left as it is."""
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            n += 1
+    return n
+
+
 def sampler_environment(on_cuda: bool) -> None:
     """vLLM 0.26 and 0.33 both sample with flashinfer on CUDA by default (VLLM_USE_FLASHINFER_SAMPLER) and the
     sampler's probe raises at engine start when flashinfer is not importable, which is the case with the vLLM 0.26 kit

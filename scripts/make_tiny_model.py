@@ -3,15 +3,18 @@
 The checkpoint has the real layout of its family (tokenizer class, special tokens, chat template,
 processor classes, model class and weight names) but only ~1M parameters, so tests exercise the same
 code paths as the real models (HF training forward, vLLM rollout, weight sync) in seconds. Families:
-qwen2_5_vl (default), qwen3_vl (dense; deepstack mergers, q/k norms, 32 px patches) and qwen3_5
-(dense; linear-attention and full-attention layers mixed).
+qwen2_5_vl (default), qwen3_vl (dense; deepstack mergers, q/k norms, 32 px patches), qwen3_5 (dense; linear-attention
+and full-attention layers mixed), and their mixture-of-experts versions qwen3_vl_moe and qwen3_5_moe (4 experts, top-2;
+Qwen3.5's with its shared expert).
 
-Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N] [--family qwen2_5_vl|qwen3_vl|qwen3_5]
+Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
+       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
@@ -31,9 +34,13 @@ from transformers import (
     Qwen2VLVideoProcessor,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3_5Tokenizer,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -330,8 +337,16 @@ def _qwen3_vision(deepstack: bool) -> dict:
     )
 
 
-def build_qwen3_vl_config(tokenizer) -> Qwen3VLConfig:
-    """Qwen3-VL (dense) shrunk: q/k RMS norms in attention, interleaved mRoPE, deepstack mergers."""
+# The tiny mixture of experts: few experts, each token routed to two, so that a short batch reaches every expert and
+# the routing (which two a token takes) matters; every layer's MLP is one (decoder_sparse_step 1, as in the real
+# models). Qwen3.5's adds its shared expert, beside the routed ones behind a sigmoid gate.
+TINY_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+
+
+def build_qwen3_vl_config(tokenizer, moe: bool = False) -> Qwen3VLConfig | Qwen3VLMoeConfig:
+    """Qwen3-VL (dense) shrunk: q/k RMS norms in attention, interleaved mRoPE, deepstack mergers. With `moe`,
+    Qwen3-VL-MoE (Qwen3-VL-30B-A3B's architecture): each layer's MLP a routed mixture of experts, stored as two 3-D
+    tensors a layer."""
     vision_ids, special = _token_ids(tokenizer)
     text_config = dict(
         vocab_size=len(tokenizer),
@@ -349,8 +364,11 @@ def build_qwen3_vl_config(tokenizer) -> Qwen3VLConfig:
         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [12, 10, 10],
                          "mrope_interleaved": True},
         **special,
+        # norm_topk_prob: the routing weights of a token's top-k renormalised to sum to 1, as transformers' router
+        # always does; Qwen3-VL-30B-A3B's config.json says so and vLLM's loader reads the key
+        **(dict(TINY_EXPERTS, decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
     )  # fmt: skip
-    return Qwen3VLConfig(
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text_config,
         vision_config=_qwen3_vision(deepstack=True),
         **vision_ids,
@@ -359,9 +377,10 @@ def build_qwen3_vl_config(tokenizer) -> Qwen3VLConfig:
     )
 
 
-def build_qwen3_5_config(tokenizer) -> Qwen3_5Config:
+def build_qwen3_5_config(tokenizer, moe: bool = False) -> Qwen3_5Config | Qwen3_5MoeConfig:
     """Qwen3.5 (dense) shrunk: layer 0 linear attention (gated delta net), layer 1 full attention (gated, partial
-    rotary), the real model's 3:1 pattern cut to one of each."""
+    rotary), the real model's 3:1 pattern cut to one of each. With `moe`, Qwen3.5-MoE (Qwen3.5-35B-A3B's
+    architecture): each layer's MLP routed experts plus a shared expert."""
     vision_ids, special = _token_ids(tokenizer)
     text_config = dict(
         vocab_size=len(tokenizer),
@@ -385,8 +404,11 @@ def build_qwen3_5_config(tokenizer) -> Qwen3_5Config:
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [2, 3, 3], "mrope_interleaved": True},
         **special,
+        **(dict(TINY_EXPERTS, shared_expert_intermediate_size=64) if moe else {}),
     )  # fmt: skip
-    return Qwen3_5Config(
+    if moe:  # its MLPs are all experts: no dense size
+        del text_config["intermediate_size"]
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=text_config,
         vision_config=_qwen3_vision(deepstack=False),
         **vision_ids,
@@ -400,7 +422,11 @@ FAMILIES = {
     "qwen2_5_vl": (Qwen2Tokenizer, build_processor, build_config, Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (Qwen2Tokenizer, build_qwen3_processor, build_qwen3_vl_config, Qwen3VLForConditionalGeneration),
     "qwen3_5": (Qwen3_5Tokenizer, build_qwen3_processor, build_qwen3_5_config, Qwen3_5ForConditionalGeneration),
-}
+    "qwen3_vl_moe": (Qwen2Tokenizer, build_qwen3_processor, functools.partial(build_qwen3_vl_config, moe=True),
+                     Qwen3VLMoeForConditionalGeneration),
+    "qwen3_5_moe": (Qwen3_5Tokenizer, build_qwen3_processor, functools.partial(build_qwen3_5_config, moe=True),
+                    Qwen3_5MoeForConditionalGeneration),
+}  # fmt: skip
 
 
 def _final_feature(model, tokenizer) -> float:
@@ -435,8 +461,22 @@ def build_tiny_model(
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
+    if family == "qwen3_vl_moe":
+        transpose_experts(out / "model.safetensors")
     processor.save_pretrained(out)
     return str(out)
+
+
+def transpose_experts(file: Path) -> None:
+    """Store Qwen3-VL-MoE's experts as Qwen's released checkpoints do (Qwen3-VL-30B-A3B: gate_up_proj (E, H, 2I),
+    down_proj (E, I, H)), the layout vLLM's loader takes, rather than transformers' in-memory (E, 2I, H) that its
+    save_pretrained writes: the trainer must read, export and sync the layout users have."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    for key in [k for k in tensors if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The memory plan (memory_plan.py): exact parameter counts, each term of the 3B and 7B plans on 8 x 80 GB against
 hand arithmetic, the dry run, and plans that do not fit naming the key to change."""
 
+import dataclasses
 import json
 
 import pytest
@@ -40,26 +41,63 @@ def test_count_equals_the_tiny_models_parameters(tiny_model_dir):
     assert counts["root"] == numel(model) - numel(model.model.visual) - numel(model.model.language_model.layers)
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_experts_are_all_stored_and_top_k_active(tiny_family_dir, family):
+    """Guards against a plan that counts an MoE as the dense model of its active parameters (its states and gathers
+    would be planned 8-10x too small) or as one whose every token goes through every expert (activations too large):
+    the count from config.json equals the tiny model's parameters, all experts included, per FSDP2 unit; `active`
+    leaves out the experts a token is not routed to; the activations are those of the top-k experts' width."""
+    from transformers import AutoModelForImageTextToText
+
+    path = tiny_family_dir(family)
+    with open(f"{path}/config.json") as f:
+        shape = shape_from_config(json.load(f))
+    assert (shape.experts, shape.experts_per_token, shape.expert_intermediate) == (4, 2, 96)
+    counts = count_params(shape)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert counts["total"] == numel(model) and counts["vision"] == numel(model.model.visual)
+    assert counts["layer"] == max(numel(layer) for layer in model.model.language_model.layers)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counts["active"] == counts["total"] - experts // 2  # top-2 of 4: half the experts' weights idle
+    assert shape.active_intermediate == 2 * 96 + (64 if family == "qwen3_5_moe" else 0)
+    # the plan: a token's activations those of a dense MLP of the active width, the states those of all parameters
+    plan = plan_memory(load_config(None, [f"actor.model_path={path}", *NODE]), 8)
+    dense = dataclasses.replace(shape, experts=0, intermediate=shape.active_intermediate)
+    moe_plan, dense_plan = (memory_plan.compute_plan(s, plan.settings)["phases"] for s in (shape, dense))
+    for phase in ("update", "log-probs"):
+        assert moe_plan[phase]["activations"] == dense_plan[phase]["activations"] > 0
+    assert plan.numbers["states"]["params"] == 4 * counts["total"] / 8
+
+
 def transformers_config(s):
     """The transformers config of a ModelShape: what a checkpoint of that shape would carry in its config.json."""
-    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     text = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
                 num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab)  # fmt: skip
+    if s.experts:
+        text.update(num_experts=s.experts, num_experts_per_tok=s.experts_per_token,
+                    moe_intermediate_size=s.expert_intermediate)  # fmt: skip
+    if s.family == "qwen3_5_moe":
+        del text["intermediate_size"]
+        text["shared_expert_intermediate_size"] = s.shared_expert_intermediate
     vision = dict(depth=s.vision_depth, hidden_size=s.vision_hidden, intermediate_size=s.vision_intermediate,
                   out_hidden_size=s.hidden, patch_size=s.patch, spatial_merge_size=s.merge)  # fmt: skip
     if s.family == "qwen2_5_vl":
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
     text["head_dim"] = s.head_dim
     vision["num_position_embeddings"] = s.vision_positions
-    if s.family == "qwen3_vl":
+    if s.base_family == "qwen3_vl":
         vision["deepstack_visual_indexes"] = [8, 16, 24][: s.deepstack]
-        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
+        config_class = Qwen3VLMoeConfig if s.experts else Qwen3VLConfig
+        return config_class(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
     linear = dict(linear_num_key_heads=s.linear_key_heads, linear_num_value_heads=s.linear_value_heads,
                   linear_key_head_dim=s.linear_key_dim, linear_value_head_dim=s.linear_value_dim,
                   linear_conv_kernel_dim=s.conv_kernel,
                   full_attention_interval=s.layers // (s.layers - s.linear_layers))  # fmt: skip
-    return Qwen3_5Config(text_config={**text, **linear}, vision_config=vision, tie_word_embeddings=s.tied)
+    config_class = Qwen3_5MoeConfig if s.experts else Qwen3_5Config
+    return config_class(text_config={**text, **linear}, vision_config=vision, tie_word_embeddings=s.tied)
 
 
 @pytest.mark.parametrize("name", list(KNOWN_SHAPES))

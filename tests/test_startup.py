@@ -62,15 +62,15 @@ def test_one_gpu_per_task_uses_it_whatever_the_local_rank():
 
 
 def test_checkpoint_of_another_architecture_stops_before_loading(tmp_path, tiny_model_dir, capsys):
-    """Guards against loading a checkpoint of a family we do not support (here Qwen3-VL's MoE) into one we do:
+    """Guards against loading a checkpoint of a family we do not support (here Qwen3-Omni's MoE) into one we do:
     transformers warns about the weights it leaves random, and the run trains the half-random model and exits 0."""
-    other = tmp_path / "qwen3vlmoe"
+    other = tmp_path / "qwen3omnimoe"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "architectures": ["X"]}))
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe", "architectures": ["X"]}))
     code = main(["configs/tiny.yaml", f"actor.model_path={other}", "data.train_files=configs", "data.val_files="])
     err = capsys.readouterr().err
-    assert code == 2 and "model_type 'qwen3_vl_moe' is not supported" in err and str(other) in err
-    assert "supported: qwen2_5_vl, qwen3_vl, qwen3_5" in err
+    assert code == 2 and "model_type 'qwen3_omni_moe' is not supported" in err and str(other) in err
+    assert "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe" in err
     (tmp_path / "empty").mkdir()
     code = main(["configs/tiny.yaml", f"actor.model_path={tmp_path / 'empty'}", "data.val_files="])
     assert code == 2 and "no config.json" in capsys.readouterr().err

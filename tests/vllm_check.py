@@ -23,6 +23,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import batching  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
+import moe  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
 import train_grpo  # noqa: E402
@@ -69,8 +70,9 @@ def make_video_prompts(processor, rank):
     return prompts
 
 
-def max_logprob_diff(model, prompts, samples, ids, temperature):
-    """max |engine log-prob - trainer log-prob| over all sampled tokens (one trainer forward, collective)."""
+def max_logprob_diff(model, prompts, samples, ids, temperature, over=None):
+    """max |engine log-prob - trainer log-prob| over all sampled tokens (one trainer forward, collective); with
+    `over`, the share of the tokens whose difference is above it instead."""
     batch_inputs, response_ids, mask = batching.collate(
         [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], *ids
     )
@@ -80,7 +82,8 @@ def max_logprob_diff(model, prompts, samples, ids, temperature):
     engine_logp = torch.zeros_like(logp)
     for row, s in enumerate(samples):
         engine_logp[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    return ((engine_logp - logp).abs() * mask).max().item()
+    diff = (engine_logp - logp).abs() * mask  # (B, T)
+    return diff.max().item() if over is None else ((diff > over).sum() / mask.sum()).item()
 
 
 def count_vision_tokens(samples, vision_ids):
@@ -151,9 +154,15 @@ def main():
     # come again after the sync, whose encoder outputs vLLM must not reuse.
     samples = engine.generate(image, 2, params, seed=rank)
     result["diff_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0)
+    result["over_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0, over=0.05)
 
     engine.wake()
+    first = []
+    record_synced_names(engine, first)
     engine.sync_weights(model)
+    # an MoE's experts go one expert at a time, in the per-expert names, never as a whole gathered parameter
+    result["synced_per_expert"] = sum(bool(moe.PER_EXPERT.match(n)) for n in first)
+    result["synced_fused_experts"] = sum(bool(moe.EXPERT_PARAM.match(n)) for n in first)
     if with_lora:  # an update changes the adapters; the next sync resends only what they touch
         perturb_adapters(model, 456)
         synced = []
@@ -165,6 +174,10 @@ def main():
     image_samples = engine.generate(image, 4, params, seed=seed)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
+    # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
+    # the fp32 trainer, that token alone differs by more
+    result["over_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0, over=0.05)
+    result["over_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0, over=0.05)
     videos = make_video_prompts(processor, rank)  # vLLM expands each video's pad as the trainer's processor does
     result["diff_video"] = max_logprob_diff(model, videos, engine.generate(videos, 4, params, seed=seed), ids, 1.0)
     result["prompt_index"] = [s.prompt_index for s in image_samples]

@@ -1,0 +1,143 @@
+"""Mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE): where their experts lie in a checkpoint, and how they
+compute.
+
+transformers 5 holds a layer's routed experts as two 3-D parameters, `experts.gate_up_proj` (E, 2I, H) and
+`experts.down_proj` (E, H, I), E the number of experts; FSDP2 shards their dim 0, so a rank holds whole experts.
+Checkpoints store them in one of three layouts, and from_pretrained converts whichever it finds:
+- fused: the same two tensors, as transformers holds them;
+- transposed: the same two names with their last two dims swapped, (E, H, 2I) and (E, I, H) -- Qwen3-VL-MoE's
+  checkpoints (Qwen3-VL-30B-A3B), and what vLLM's Qwen3-VL-MoE loader takes under those names;
+- per_expert: one 2-D tensor per expert and projection, `experts.{e}.gate_proj.weight` (I, H), `up_proj` (I, H),
+  `down_proj` (H, I) -- Qwen3.5-MoE's checkpoints (Qwen3.5-35B-A3B), and what transformers' save_pretrained writes
+  for it.
+models.load_weights reads a rank's experts from any of them (read_experts), and checkpoint.save_hf writes them back
+in the layout the checkpoint had (export_pieces), so that from_pretrained and vLLM load an export as they loaded the
+original. The weight sync streams them to vLLM one expert at a time (stream_experts), in the per-expert names, which
+vLLM's loaders take for both families.
+
+The experts' forward is transformers' own (`experts_implementation`), chosen per device by experts_implementation:
+its grouped GEMM on CUDA, its loop over the experts on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# a model's expert parameter: (the layer's prefix, which of the two)
+EXPERT_PARAM = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+# a per-expert checkpoint tensor: (the layer's prefix, the expert, its projection)
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# which per-expert projections make up each fused parameter, in the order transformers concatenates them (dim 1)
+PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+LAYOUTS = ("fused", "transposed", "per_expert")
+
+
+def model_name(key: str) -> str:
+    """The model's parameter that a checkpoint tensor belongs to: a per-expert tensor's fused parameter, any other
+    name unchanged."""
+    m = PER_EXPERT.match(key)
+    if m is None:
+        return key
+    proj = "down_proj" if m["proj"] == "down_proj" else "gate_up_proj"
+    return f"{m['prefix']}.{proj}"
+
+
+def layout(name: str, shape, where: dict) -> str | None:
+    """How the checkpoint stores the model's expert parameter `name` of `shape` (E, out, in): one of LAYOUTS, or
+    None if it lacks it (or holds it in another shape). `where` maps the checkpoint's tensor names (after
+    transformers' renamings) to their shapes."""
+    shape = tuple(shape)
+    if name in where:
+        found = tuple(where[name])
+        if found == shape:
+            return "fused"
+        if found == (shape[0], shape[2], shape[1]):
+            return "transposed"
+        return None
+    m = EXPERT_PARAM.match(name)
+    keys = [f"{m['prefix']}.{e}.{part}.weight" for e in range(shape[0]) for part in PARTS[m["proj"]]]
+    rows = shape[1] // len(PARTS[m["proj"]])
+    if all(tuple(where.get(k, ())) == (rows, shape[2]) for k in keys):
+        return "per_expert"
+    return None
+
+
+def read_experts(name: str, kind: str, read, start: int, stop: int) -> torch.Tensor:
+    """Experts [start, stop) of the model's parameter `name`, (stop - start, out, in), from a checkpoint of layout
+    `kind`; read(key, start, stop) gives rows [start, stop) of the checkpoint's tensor `key` (a slice of a memory-
+    mapped file), read(key) all of it. Only this rank's experts are read."""
+    if kind == "fused":
+        return read(name, start, stop)
+    if kind == "transposed":
+        return read(name, start, stop).transpose(1, 2)
+    m = EXPERT_PARAM.match(name)
+    parts = PARTS[m["proj"]]
+    experts = [torch.cat([read(f"{m['prefix']}.{e}.{part}.weight") for part in parts]) for e in range(start, stop)]
+    return torch.stack(experts) if experts else None
+
+
+def export_pieces(name: str, kind: str, shape) -> list[tuple[str, tuple, callable]]:
+    """The checkpoint tensors (name, shape, piece) that the model's expert parameter `name` is written as in layout
+    `kind`; piece(full) cuts one out of the gathered parameter."""
+    e, out, inp = shape
+    if kind == "fused":
+        return [(name, (e, out, inp), lambda full: full)]
+    if kind == "transposed":
+        return [(name, (e, inp, out), lambda full: full.transpose(1, 2))]
+    m = EXPERT_PARAM.match(name)
+    parts = PARTS[m["proj"]]
+    rows = out // len(parts)
+    return [
+        (f"{m['prefix']}.{i}.{part}.weight", (rows, inp), lambda full, i=i, j=j: full[i, j * rows : (j + 1) * rows])
+        for i in range(e)
+        for j, part in enumerate(parts)
+    ]
+
+
+def stream_experts(name: str, param, dtype):
+    """Yield (vLLM's name, tensor) for every expert of the model's expert parameter `name`, one expert at a time, as
+    the per-expert checkpoint tensors (`experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)), in
+    `dtype`. Collective under FSDP2: every rank of the shard group must iterate it to the end. Each expert is
+    broadcast from the rank whose dim-0 shard holds it, so a rank holds one expert's tensor beside vLLM's weights,
+    never the whole gathered parameter (a layer's experts are most of its weights: 1.2 GB of bf16 per layer of
+    Qwen3-VL-30B-A3B)."""
+    import torch.distributed as dist
+
+    m = EXPERT_PARAM.match(name)
+    parts = PARTS[m["proj"]]
+    mesh = getattr(param, "device_mesh", None)
+    local = param.to_local() if mesh is not None else param
+    group = mesh.get_group(0) if mesh is not None else None
+    per_rank = -(-param.shape[0] // mesh.size()) if mesh is not None else param.shape[0]  # torch.chunk's split
+    for e in range(param.shape[0]):
+        owner, row = divmod(e, per_rank)
+        if mesh is None:
+            expert = local[e].to(dtype)
+        else:
+            mine = mesh.get_local_rank() == owner
+            expert = local[row].to(dtype).contiguous() if mine else local.new_empty(param.shape[1:], dtype=dtype)
+            dist.broadcast(expert, src=dist.get_global_rank(group, owner), group=group)
+        rows = expert.shape[0] // len(parts)
+        for j, part in enumerate(parts):
+            yield f"{m['prefix']}.{e}.{part}.weight", expert[j * rows : (j + 1) * rows]
+
+
+def experts_implementation(device) -> str:
+    """transformers' experts forward for `device`. On CUDA "grouped_mm": the tokens sorted by expert and every
+    expert's GEMM in one torch.nn.functional.grouped_mm call a projection (bf16, SM80+; transformers falls back to a
+    loop of its own on older GPUs), instead of the default forward's Python loop of two small GEMMs per expert that
+    has tokens (128 experts a layer in Qwen3-VL-30B-A3B). On CPU "eager", that loop: transformers' reference, as fast
+    as torch's CPU grouped kernel at the CPU lane's sizes (44 vs 43 ms for a tiny model's forward and backward),
+    and it needs no kernel of a particular torch version (the CPU kernel's backward rejects a broadcast gradient
+    on torch 2.11 and 2.13). "batched_mm" copies each token's experts' weights: 20x slower here."""
+    return "grouped_mm" if device.type == "cuda" else "eager"
+
+
+def describe(model) -> str:
+    """One log line: the experts' shape and how they compute."""
+    c = model.config.get_text_config()
+    impl = model.model.language_model.config._experts_implementation
+    return (f"experts: {c.num_experts} a layer, top-{c.num_experts_per_tok} routed, intermediate "
+            f"{c.moe_intermediate_size}; forward {impl} (transformers' experts_implementation)")  # fmt: skip

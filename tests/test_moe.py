@@ -1,0 +1,114 @@
+"""Mixture-of-experts families (moe.py): the experts' checkpoint layouts, read a rank's rows at a time, and the
+experts' compute, the CUDA grouped-GEMM path included, run on CPU with the kernel swapped for a reference of its
+signature (as tests/test_varlen.py does for the attention kernel)."""
+
+import inspect
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import batching
+import models
+import moe
+from tests.test_packing import _mixed_batch
+
+MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]
+
+
+@pytest.mark.parametrize("family, kind", [("qwen3_vl_moe", "transposed"), ("qwen3_5_moe", "per_expert")])
+def test_a_ranks_experts_are_read_from_the_checkpoints_layout(tiny_family_dir, family, kind):
+    """Guards against a sharded load that reads another rank's experts (FSDP2 shards dim 0, the experts), or a
+    layout read untransposed, or a per-expert checkpoint's gate and up halves swapped: rows [start, stop) read from
+    the files are those of from_pretrained's parameter, for every split of the experts over ranks."""
+    from transformers import AutoModelForImageTextToText
+
+    path = tiny_family_dir(family)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    file = models._safetensors_files(path)[0]
+    with safe_open(file, "pt") as f:
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+
+    def read(key, start=None, stop=None):
+        with safe_open(file, "pt") as f:
+            return f.get_slice(key)[start:stop]
+
+    experts = {n: p for n, p in model.named_parameters() if moe.EXPERT_PARAM.match(n)}
+    assert len(experts) == 2 * model.config.text_config.num_hidden_layers
+    for name, p in experts.items():
+        assert p.shape[1] != p.shape[2]  # a transposed read could not pass for a square one
+        assert moe.layout(name, p.shape, shapes) == kind
+        assert moe.layout(name, (p.shape[0] + 1, *p.shape[1:]), shapes) is None  # another shape: not this tensor
+        for start, stop in ((0, 4), (0, 2), (2, 4), (3, 4), (1, 3)):
+            torch.testing.assert_close(moe.read_experts(name, kind, read, start, stop), p.detach()[start:stop])
+        pieces = moe.export_pieces(name, kind, p.shape)
+        assert {key: shape for key, shape, _ in pieces} == {key: shapes[key] for key, _, _ in pieces}
+        for key, _, cut in pieces:
+            torch.testing.assert_close(cut(p.detach()), read(key))
+
+
+def test_experts_implementation_per_device(tiny_family_dir):
+    """Guards against the Python loop over experts on a GPU (transformers' eager forward: two small GEMMs per expert
+    with tokens, 128 experts a layer in the real models), or a kernel path on CPU."""
+    assert moe.experts_implementation(torch.device("cuda", 0)) == "grouped_mm"
+    assert moe.experts_implementation(torch.device("cpu")) == "eager"
+    model = models.load_model(tiny_family_dir("qwen3_vl_moe"), torch.device("cpu"), "sdpa", meta=True)
+    assert model.model.language_model.config._experts_implementation == "eager"
+    assert "forward eager" in moe.describe(model) and "top-2" in moe.describe(model)
+
+
+def reference_grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
+    """torch.nn.functional.grouped_mm as transformers' grouped_mm experts call it (the signature of torch 2.11 to
+    2.14): mat_a (S, K) the tokens sorted by expert, mat_b (E, K, N) every expert's weight, offs (E,) int32 the end of
+    each expert's rows -> (S, N), one matmul per expert (CPU, any dtype). The asserts are what the CUDA kernel asks."""
+    assert mat_a.dim() == 2 and mat_b.dim() == 3 and mat_a.shape[1] == mat_b.shape[1]
+    assert offs is not None and offs.dtype == torch.int32 and offs.shape == (mat_b.shape[0],)
+    assert bias is None and out_dtype is None and mat_a.dtype == mat_b.dtype
+    ends = offs.tolist()
+    assert ends == sorted(ends) and ends[-1] == mat_a.shape[0]
+    # one of the weight's two inner dims contiguous, the other's stride 16-byte aligned in bf16: the kernel's layout
+    # rule (the weight it gets is a transposed view of the parameter)
+    inner = sorted(mat_b.stride()[1:])
+    assert inner[0] == 1 and inner[1] % 8 == 0
+    starts = [0, *ends[:-1]]
+    return torch.cat([mat_a[s:e] @ mat_b[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_mm_path_equals_the_loop(tiny_family_dir, family, monkeypatch):
+    """Guards against the CUDA experts path computing something else than the loop the CPU lane trains with: tokens
+    sorted to the wrong expert, offsets off by one, a transposed weight, gradients that do not reach the experts or
+    the router. The packed micro-batch through grouped_mm (kernel swapped for its reference) against the padded one
+    through the loop: log-probs and every gradient within 1e-5."""
+    from transformers import AutoProcessor
+
+    assert list(inspect.signature(torch.nn.functional.grouped_mm).parameters) == [
+        "mat_a", "mat_b", "offs", "bias", "out_dtype"]  # fmt: skip
+    calls = []
+
+    def kernel(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
+        calls.append(mat_b.shape)
+        return reference_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", kernel)
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    image_token_id = model.config.image_token_id
+    prompts, responses = _mixed_batch(processor, image_token_id)
+    padded = batching.collate(prompts, responses, processor.tokenizer.pad_token_id, image_token_id)
+    packed = batching.pack(prompts, responses, image_token_id)
+    results = {}
+    for impl, (inputs, response_ids, mask) in (("eager", padded), ("grouped_mm", packed)):
+        model.set_experts_implementation(impl)
+        model.zero_grad(set_to_none=True)
+        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+        results[impl] = (logp.detach() * mask, {n: p.grad.clone() for n, p in model.named_parameters()})
+    layers = model.config.text_config.num_hidden_layers
+    assert len(calls) == 2 * layers  # two projections a layer, one call each, in the grouped_mm forward only
+    (logp_a, grads_a), (logp_b, grads_b) = results["eager"], results["grouped_mm"]
+    torch.testing.assert_close(logp_b, logp_a, rtol=1e-5, atol=1e-5)
+    assert any(".experts." in n for n in grads_a) and any("mlp.gate." in n for n in grads_a)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-5, msg=name)
