@@ -64,7 +64,8 @@ demo-vision: tiny-assets
 		m('outputs/tiny_vision_data/train.parquet', 128, 0); m('outputs/tiny_vision_data/val.parquet', 32, 1)"
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_vision.yaml
 
-# a task only a tool's picture answers (the prompt's is blank); docs/tools.md says what it shows so far
+# a task only a tool's picture answers (the prompt's is blank): nearly every answer must call it at the end, accuracy
+# rise well above the blind 1/4 (docs/tools.md)
 demo-tools: tiny-assets
 	$(PY) scripts/make_tiny_model.py outputs/tiny_tools_model --tools
 	$(PY) -c "from scripts.make_synthetic_data import make_tool_task as m; \

@@ -242,6 +242,19 @@ def first_digit(response: str, ground_truth: str) -> dict[str, float]:
     return {"overall": correct, "format": float(digit is not None), "accuracy": correct}
 
 
+# How much of an answer leading_digit reads: about as many tokens as the vision demo's whole 8-token answers.
+LEADING_CHARS = 12
+
+
+def leading_digit(response: str, ground_truth: str) -> dict[str, float]:
+    """The tool demo's reward: first_digit over the first LEADING_CHARS characters of the answer's last turn, the
+    tool-call markers left out (a call in the last turn is never answered; it is not the answer either). Reading only
+    the start grades an answer that called a tool and one that did not alike: the latter has the whole token budget
+    to write in, the former what the tool turn left of it, and first_digit over all of it favours the longer answer."""
+    text = response.replace("<tool_call>", "").replace("</tool_call>", "").lstrip()
+    return first_digit(text[:LEADING_CHARS], ground_truth)
+
+
 # -----------------------------------------------------------------------------
 # user reward functions
 

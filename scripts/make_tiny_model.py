@@ -70,12 +70,16 @@ QWEN_SPECIAL_TOKENS = [
 # tools=True, so that the other tiny models (and the demos' figures) keep their vocabulary and weights.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 # A random model writes </tool_call> about 1 time in 500 tokens: the tool demo needs calls to learn from (a real
-# model's tool-use tuning gives it them). So every token's embedding carries a constant in hidden dimension 0, which
-# the final norm turns into a near-constant feature, and only </tool_call>'s LM-head row reads it: a logit offset of
-# TOOL_CALL_LOGIT at every position (~1.5% a token), which training moves as slowly as any weight. (Scaling the
-# token's row instead made every hidden-state change a large logit change: one Adam step flipped the random model
-# from calling in every answer to never calling.)
-TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 0.1, 1.85
+# model's tool-use tuning gives it them). So the embedding of the token that ends an assistant header ("\n" after
+# `<|im_start|>assistant`, the prompt's last token and a tool turn's) carries TOOL_CALL_FEATURE in hidden dimension 0
+# (every other token 0 there), and only </tool_call>'s LM-head row reads it: a logit offset of TOOL_CALL_LOGIT at the
+# first position of a turn (98% a call at the prompt's end; ~0.3% a token elsewhere, as any token). A turn that calls
+# is then one token long, and the answer after the tool turn comes at once, as in the vision demo's short answers.
+# Tried first: the offset at every position (the call landed ~50 tokens into the answer, and </tool_call>s filled the
+# last turn around the digit), and a feature of 1 (the final norm's dimension 0 then shrank as soon as one Adam step
+# grew the others: one Adam step at lr 3e-3 on a tiny gradient for another first token took the first-token call rate
+# from 55% to 1%; at 10 the norm stays saturated and the same step moves it from 49% to 44%).
+TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 10.0, 10.0
 
 # Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
 # message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
@@ -430,7 +434,7 @@ FAMILIES = {
 
 
 def _final_feature(model, tokenizer) -> float:
-    """Hidden dimension 0 after the final norm at the end of a generation prompt (TOOL_CALL_FEATURE's value there)."""
+    """Hidden dimension 0 after the final norm at the end of a generation prompt (where TOOL_CALL_FEATURE is)."""
     ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
     return model.model.language_model(input_ids=ids).last_hidden_state[0, -1, 0].item()
 
@@ -454,7 +458,9 @@ def build_tiny_model(
     model = model_class(config).to(torch.float32)
     if tools:
         with torch.no_grad():
-            model.model.language_model.embed_tokens.weight[:, 0] = TOOL_CALL_FEATURE
+            header_end = tokenizer("<|im_start|>assistant\n")["input_ids"][-1]
+            model.model.language_model.embed_tokens.weight[:, 0] = 0.0
+            model.model.language_model.embed_tokens.weight[header_end, 0] = TOOL_CALL_FEATURE
             feature = _final_feature(model, tokenizer)
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature

@@ -24,7 +24,7 @@ def assert_demo_learns(config, make_task, steps, ceiling, model_dir, tmp_path):
     """Run a demo config on 2 ranks with make_task's train (128 rows) and validation (32) sets, and assert what its
     test promises: every step ran, the random model starts blind (first-5-step accuracy below ceiling + 0.1), the
     last 5 steps and the final greedy validation are at least 0.2 above the ceiling, and the token budget splits
-    each rank's share into micro-batches."""
+    each rank's share into micro-batches. Returns the training steps' metrics rows."""
     train = make_task(str(tmp_path / "train.parquet"), n_rows=128, seed=0)
     val = make_task(str(tmp_path / "val.parquet"), n_rows=32, seed=1)
     out_dir = tmp_path / "run"
@@ -42,6 +42,7 @@ def assert_demo_learns(config, make_task, steps, ceiling, model_dir, tmp_path):
     assert last >= ceiling + 0.2, (first, last)
     assert train_rows[-1]["val/accuracy"] >= ceiling + 0.2, train_rows[-1]["val/accuracy"]
     assert all(r["actor/micro_batches"] >= 2 for r in train_rows)  # the token budget splits each rank's share
+    return train_rows
 
 
 def test_colour_task_hides_the_answer_from_the_text(tmp_path):
