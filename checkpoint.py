@@ -102,14 +102,17 @@ def _raise_if_save_failed(error, step, output_dir, tmp):
                      "rerun the same command to resume from the last complete checkpoint")  # fmt: skip
 
 
+def _inner_errors(error):
+    return [failure[0] for failure in getattr(error, "failures", {}).values()]  # DCP's: (exception, trace) per rank
+
+
 def _describe(error):
-    inner = [failure[0] for failure in getattr(error, "failures", {}).values()]  # DCP's: (exception, trace) per rank
-    return "; ".join(f"{type(e).__name__}: {e}" for e in inner or [error])
+    return "; ".join(f"{type(e).__name__}: {e}" for e in _inner_errors(error) or [error])
 
 
 def _disk_full(error):
-    inner = [failure[0] for failure in getattr(error, "failures", {}).values()]
-    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in [error, *inner])
+    errors = [error, *_inner_errors(error)]
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in errors)
 
 
 def _state_options(cfg):

@@ -214,13 +214,19 @@ def config_problem(alg) -> str | None:
     return None
 
 
+def _gap(trainer_logp, engine_logp, mask):
+    """(|log ratio|, k3) per token, 0 off the mask: x = log(p_trainer / p_engine) clamped to +-20, and the mismatch KL
+    term exp(x) - 1 - x, the k3 estimate of KL(engine || trainer) on the engine's samples. In float64: in fp32,
+    exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0."""
+    mask = mask.to(torch.float64)
+    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return x.abs() * mask, (torch.expm1(x) - x) * mask
+
+
 def measure(trainer_logp, engine_logp, mask, kinds, stats) -> None:
     """Add one micro-batch's gap to `stats` (STATS keys), per modality; `kinds` (B,) names each row's modality."""
-    # float64: in fp32, exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0
     mask = mask.to(torch.float64)
-    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (B, T), log(p_tr / p_en)
-    diff = x.abs() * mask  # (B, T)
-    kl = (torch.expm1(x) - x) * mask  # (B, T), k3 of KL(engine || trainer) on the engine's samples
+    diff, kl = _gap(trainer_logp, engine_logp, mask)  # (B, T) each
     rows = torch.tensor([MODALITIES.index(k) for k in kinds], device=mask.device)  # (B,)
     onehot = torch.nn.functional.one_hot(rows, len(MODALITIES)).to(mask.dtype)  # (B, M)
     sums = onehot.T @ torch.stack([mask.sum(-1), diff.sum(-1), kl.sum(-1)], 1)  # (M, 3)
@@ -328,9 +334,8 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
         mask = torch.ones_like(engine)  # (T,)
         mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
         measure(logp[None], engine[None], mask[None], [kind], stats)
-        x = (logp.double() - engine.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # (T,)
         group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
-        group[1] += ((torch.expm1(x) - x) * mask).sum().item()
+        group[1] += _gap(logp, engine, mask)[1].sum().item()
         group[2] += int(mask.sum().item())
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens in groups.values():
