@@ -151,8 +151,8 @@ def shape_from_config(config: dict) -> ModelShape:
         raise KeyError(f"model_type {family!r}")
     text = {**config, **config.get("text_config", {})}
     vision = config["vision_config"]
-    base = family.removesuffix("_moe")
-    if family.endswith("_moe") and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
+    base, is_moe = family.removesuffix("_moe"), family.endswith("_moe")
+    if is_moe and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
         raise KeyError("mlp_only_layers / decoder_sparse_step: dense MLP layers among the experts are not counted")
     layer_types = text.get("layer_types") or []
     if base == "qwen3_5" and not layer_types:  # transformers' default: every full_attention_interval-th is full
@@ -160,7 +160,7 @@ def shape_from_config(config: dict) -> ModelShape:
         layer_types = ["full_attention" if (i + 1) % every == 0 else "x" for i in range(text["num_hidden_layers"])]
     return ModelShape(
         hidden=text["hidden_size"],
-        intermediate=text.get("intermediate_size", 0) if family.endswith("_moe") else text["intermediate_size"],
+        intermediate=text.get("intermediate_size", 0) if is_moe else text["intermediate_size"],
         layers=text["num_hidden_layers"],
         heads=text["num_attention_heads"],
         kv_heads=text["num_key_value_heads"],
@@ -186,9 +186,9 @@ def shape_from_config(config: dict) -> ModelShape:
         linear_value_dim=text.get("linear_value_head_dim", 0),
         conv_kernel=text.get("linear_conv_kernel_dim", 0),
         # (config.json names the experts num_experts, or num_local_experts as transformers writes Qwen3-VL-MoE's)
-        experts=text.get("num_experts", text.get("num_local_experts", 0)) if family.endswith("_moe") else 0,
-        experts_per_token=text.get("num_experts_per_tok", 0) if family.endswith("_moe") else 0,
-        expert_intermediate=text.get("moe_intermediate_size", 0) if family.endswith("_moe") else 0,
+        experts=text.get("num_experts", text.get("num_local_experts", 0)) if is_moe else 0,
+        experts_per_token=text.get("num_experts_per_tok", 0) if is_moe else 0,
+        expert_intermediate=text.get("moe_intermediate_size", 0) if is_moe else 0,
         shared_expert_intermediate=text.get("shared_expert_intermediate_size", 0) if base == "qwen3_5" else 0,
     )
 
