@@ -527,13 +527,14 @@ def processor_problem(path: str, want: int) -> str | None:
     return None
 
 
-def unsupported_model(path: str) -> str | None:
+def unsupported_model(path: str, needs_experts: bool = False) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
     None. from_pretrained would load a checkpoint of another family into one of ours, warn about the weights it
     leaves random, and train the result: this stops first, naming the model_type, or, for a local directory of a
     supported type, the first tensors that are missing or unexpected (the model built on the meta device, the
     safetensors' headers read: seconds even for a large model), or an image processor of another family. A hub id
-    not in the cache is checked by load_model, once its files are downloaded."""
+    not in the cache is checked by load_model, once its files are downloaded. `needs_experts`: the config asks for
+    what only a mixture of experts has (actor.router_aux_loss_coef)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -544,7 +545,10 @@ def unsupported_model(path: str) -> str | None:
     if not os.path.exists(config_file):
         return "no config.json: not a Hugging Face model directory"
     with open(config_file) as f:
-        problem = unsupported_type(json.load(f).get("model_type"))
+        model_type = json.load(f).get("model_type")
+    problem = unsupported_type(model_type)
+    if not problem and needs_experts and not FAMILIES[model_type].moe:
+        problem = f"actor.router_aux_loss_coef balances routed experts; a {model_type} model has none"
     if problem or not os.path.isdir(path):
         return problem
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -960,6 +964,8 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
     root_forward(model, pad_id)
     if family(model).moe and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         print(moe.describe(model), flush=True)
+    if actor.router_aux_loss_coef > 0:  # the update adds it: model.router_balance.loss() after each forward
+        model.router_balance = moe.RouterBalance(model)
     ref_model = None
     if with_reference and lora is not None:
         ref_model = model

@@ -141,3 +141,55 @@ def describe(model) -> str:
     impl = model.model.language_model.config._experts_implementation
     return (f"experts: {c.num_experts} a layer, top-{c.num_experts_per_tok} routed, intermediate "
             f"{c.moe_intermediate_size}; forward {impl} (transformers' experts_implementation)")  # fmt: skip
+
+
+def routers(model) -> list:
+    """The language model's routers, one a decoder layer (`mlp.gate`: its forward returns the router logits (N, E)
+    first, then the top-k weights and indices)."""
+    return [layer.mlp.gate for layer in model.model.language_model.layers]
+
+
+class RouterBalance:
+    """The routed experts' load-balancing loss of a training forward (actor.router_aux_loss_coef): Switch
+    Transformer's (https://arxiv.org/abs/2101.03961, eqs. 4-6) as transformers computes it for these models
+    (load_balancing_loss_func): E * sum_e f_e P_e, f_e the share of top-k picks expert e got and P_e its mean router
+    probability, both over every token the forward computed (pads left out) of all layers together.
+
+    Hooks on the routers add up each layer's counts and probabilities while the forward runs, so only (E,) sums are
+    kept, never every layer's (tokens, E) logits. Only forwards with gradients count (not the old/reference log-probs
+    nor generation). Under activation checkpointing the backward re-runs each layer's forward, hooks included; those
+    re-runs must repeat the same operations (checkpointing checks what they save), so they compute and then drop
+    their sums: the loss was taken before the backward began."""
+
+    def __init__(self, model):
+        self.num_experts = model.config.get_text_config().num_experts
+        self.open = False
+        model.register_forward_pre_hook(self._start, with_kwargs=True)
+        for router in routers(model):
+            router.register_forward_hook(self._add)
+
+    def _start(self, model, args, kwargs):
+        mask = kwargs.get("attention_mask")  # (B, L) padded; None packed, which has no pads
+        self.mask = None if mask is None else mask.reshape(-1)  # (N,), the routers' rows
+        self.counts, self.probs, self.rows = 0.0, 0.0, 0.0
+        self.open = torch.is_grad_enabled()
+
+    def _add(self, router, args, out):
+        if not torch.is_grad_enabled():
+            return
+        probs = torch.softmax(out[0].float(), dim=-1)  # (N, E)
+        weight = probs.new_ones(len(probs)) if self.mask is None else self.mask.to(probs)  # (N,)
+        with torch.no_grad():  # which experts a token picked carries no gradient
+            top = probs.topk(router.top_k, dim=-1).indices.reshape(-1)  # (N k,)
+            counts = probs.new_zeros(self.num_experts).scatter_add_(0, top, weight.repeat_interleave(router.top_k))
+        prob_sums = (probs * weight[:, None]).sum(0)  # (E,)
+        if self.open:
+            self.counts, self.probs, self.rows = self.counts + counts, self.probs + prob_sums, self.rows + weight.sum()
+
+    def loss(self) -> torch.Tensor:
+        """The loss of the last training forward, a scalar in its graph; taken once, before its backward."""
+        if not self.open:
+            raise RuntimeError("RouterBalance.loss: no forward with gradients since the last loss was taken")
+        self.open = False
+        rows = max(float(self.rows), 1.0)
+        return self.num_experts * (self.counts / rows * self.probs / rows).sum()

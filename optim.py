@@ -72,11 +72,14 @@ class AdamWBF16(torch.optim.Optimizer):
 
 
 def config_problem(actor, engine: str) -> str | None:
-    """What is wrong with the actor's precision and offload settings for `engine`, before anything loads."""
+    """What is wrong with the actor's precision, offload and loss-weight settings for `engine`, before anything
+    loads."""
     if actor.master_dtype not in ("fp32", "bf16"):
         return f"actor.master_dtype={actor.master_dtype!r}; valid: fp32, bf16"
     if actor.master_dtype == "bf16" and actor.lora_rank:
         return "actor.master_dtype=bf16 is for full fine-tuning: LoRA's adapters are small and train in fp32"
+    if actor.router_aux_loss_coef < 0:
+        return f"actor.router_aux_loss_coef={actor.router_aux_loss_coef} must be >= 0 (0 = no load-balancing loss)"
     if actor.offload_params and engine != "vllm":
         return f"actor.offload_params needs rollout.engine=vllm: the {engine} engine generates with the policy itself"
     return None

@@ -155,6 +155,7 @@ class ActorConfig:
     policy_loss: str = "ppo"  # see POLICY_LOSSES: ppo (token ratios), gspo (sequence ratio; clip ratios ~3e-4/4e-4)
     entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
     mask_truncated: bool = False  # leave answers cut at max_response_length out of the loss (DAPO)
+    router_aux_loss_coef: float = 0.0  # > 0: MoE experts' load-balancing loss at this weight (pretraining's 1e-3)
     gradient_checkpointing: bool = True
     freeze_vision_tower: bool = False
     ref_offload: bool = False  # keep the reference model's shards in CPU memory (FSDP2 CPU offload)
@@ -430,7 +431,7 @@ def check_paths(cfg: Config) -> None:
 
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
-    unsupported = unsupported_model(path)
+    unsupported = unsupported_model(path, needs_experts=cfg.actor.router_aux_loss_coef > 0)
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
     for key in ("train_files", "val_files"):
@@ -847,6 +848,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
                 stats["actor/kl"] += kl_term.item()
             if a.entropy_coef > 0:  # an entropy bonus keeps exploration alive
                 loss = loss - a.entropy_coef * aggregate_loss(entropy, mask, **agg)
+            if a.router_aux_loss_coef > 0:  # experts' balance (moe.RouterBalance), weighted by the share of tokens
+                aux = model.router_balance.loss() * mask.sum() / num_tokens
+                loss = loss + a.router_aux_loss_coef * aux
+                stats["actor/router_aux_loss"] = stats.get("actor/router_aux_loss", 0.0) + aux.item()
             # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
             (loss * world).backward()
             stats["actor/pg_loss"] += pg_term.item()
@@ -903,17 +908,10 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
 # Setup and bookkeeping around the loop: datasets, validation with the engine, the step's metrics.
 
 # Running sums (and maxima) update_policy keeps over one step's optimizer steps and micro-batches
-UPDATE_STATS = (
-    "actor/pg_loss",
-    "actor/kl",
-    "actor/entropy",
-    "actor/clip_frac",
-    "actor/skipped_steps",
-    "actor/optimizer_steps",
-    "actor/micro_batches",
-    "actor/moved_sequences",
-    *mismatch.STATS,
-)
+UPDATE_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
+                "actor/optimizer_steps", "actor/micro_batches", "actor/moved_sequences", *mismatch.STATS)  # fmt: skip
+# of them, those that are each rank's share of a global mean (summed over ranks); with experts' balance, its loss too
+SHARED_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/router_aux_loss")
 
 
 def load_datasets(cfg, processor, rank, world):
@@ -985,7 +983,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     }
     metrics = mean_over_ranks(sums, dict.fromkeys(sums, len(samples)))
     # pg_loss, kl, entropy and clip_frac are already global shares on each rank: sum them over ranks
-    shares = {k: stats[k] / n_updates for k in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac")}
+    shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality

@@ -106,3 +106,17 @@ def test_lora_settings_that_cannot_work(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_config(load_config(None, overrides), world_size=8)
     check_config(load_config(None, ["actor.lora_rank=8"]), world_size=8)  # the defaults with LoRA on are valid
+
+
+def test_router_balance_weight_that_cannot_work(tiny_model_dir, tiny_family_dir, capsys):
+    """Guards against a load-balancing weight that would push experts toward imbalance (negative), or that a dense
+    model would silently ignore, having no routers: both stop before anything loads, naming the key."""
+    from train_grpo import main
+
+    with pytest.raises(ConfigError, match=r"actor\.router_aux_loss_coef=-0\.1 must be >= 0"):
+        check_config(load_config(None, ["actor.router_aux_loss_coef=-0.1"]), world_size=8)
+    args = ["configs/tiny.yaml", "actor.router_aux_loss_coef=1e-3", "data.train_files=configs", "data.val_files="]
+    assert main([*args, f"actor.model_path={tiny_model_dir}"]) == 2
+    assert "router_aux_loss_coef balances routed experts; a qwen2_5_vl model has none" in capsys.readouterr().err
+    assert main([*args, f"actor.model_path={tiny_family_dir('qwen3_5_moe')}"]) == 2  # past the model, on to the data
+    assert "config error: data.train_files" in capsys.readouterr().err

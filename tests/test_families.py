@@ -272,12 +272,19 @@ def test_lora_resync_of_an_moe_leaves_its_experts_as_they_are(tiny_family_dir, t
 def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family):
     """Guards against a family that loads, shards and samples but does not learn: FSDP2 units that leave a part
     unsharded or untrained, a sync that silently fails (the engine keeps sampling from the initial model), packed
-    positions or linear-attention state that make the trainer's log-probs of the samples wrong."""
+    positions or linear-attention state that make the trainer's log-probs of the samples wrong. The MoE run adds the
+    experts' load-balancing loss, which must reach the update under FSDP2 and activation checkpointing and be logged
+    (at perfect balance it is top-k = 2; it cannot exceed the 4 experts)."""
     from tests.test_vllm import first_and_last, toy_run
 
-    first, last = first_and_last(toy_run(tiny_family_dir(family), tmp_path, "trainer.val_freq=0"))
+    balance = ["actor.router_aux_loss_coef=1e-3"] if family.endswith("_moe") else []
+    rows = toy_run(tiny_family_dir(family), tmp_path, "trainer.val_freq=0", *balance)
+    first, last = first_and_last(rows)
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
+    aux = [r.get("actor/router_aux_loss") for r in rows]
+    print(f"{family}: actor/router_aux_loss {aux}")
+    assert all(0.5 < x <= 4.0 for x in aux) if balance else aux == [None] * len(rows), aux
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -112,3 +112,50 @@ def test_grouped_mm_path_equals_the_loop(tiny_family_dir, family, monkeypatch):
     assert any(".experts." in n for n in grads_a) and any("mlp.gate." in n for n in grads_a)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_router_balance_loss_and_its_gradient_equal_transformers(tiny_family_dir, family, one_rank_group):
+    """Guards the experts' load-balancing loss (actor.router_aux_loss_coef) against another formula than the models'
+    own (transformers' load_balancing_loss_func), pads counted as tokens, a packed micro-batch balanced otherwise than
+    its padded twin, and gradients lost or doubled on their way through FSDP2 and activation checkpointing (whose
+    backward re-runs the routers' hooks). The trainer's model, sharded and checkpointed, against the plain model's
+    output_router_logits: the loss and every gradient of log-probs + 10 x the loss within 1e-5."""
+    from transformers import AutoProcessor
+
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    pad_id, cpu, coef = processor.tokenizer.pad_token_id, torch.device("cpu"), 10.0
+    plain = models.load_model(path, cpu, "sdpa")
+    prompts, responses = _mixed_batch(processor, plain.config.image_token_id)
+    padded = batching.collate(prompts, responses, pad_id, plain.config.image_token_id)
+    packed = batching.pack(prompts, responses, plain.config.image_token_id)
+    assert (padded[0]["attention_mask"] == 0).any()  # pads the loss must leave out
+
+    inputs, response_ids, mask = padded
+    logp, _ = models.forward_logprobs(plain, inputs, response_ids, 1.0)
+    reference = plain(**inputs, output_router_logits=True, use_cache=False).aux_loss
+    ((logp * mask).sum() + coef * reference).backward()
+    want = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    plain.zero_grad(set_to_none=True)  # how much of a router's gradient is the balance's: the log-probs' alone
+    (models.forward_logprobs(plain, inputs, response_ids, 1.0)[0] * mask).sum().backward()
+    balance_share = {n: (want[n] - p.grad).abs().max() for n, p in plain.named_parameters() if "mlp.gate." in n}
+
+    model = models.load_sharded(path, cpu, "sdpa", gradient_checkpointing=True)
+    models.root_forward(model, pad_id)
+    balance = moe.RouterBalance(model)
+    for inputs, response_ids, mask in (padded, packed):
+        model.zero_grad(set_to_none=True)
+        logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0)
+        aux = balance.loss()
+        torch.testing.assert_close(aux, reference.detach(), rtol=1e-5, atol=1e-6)
+        ((logp * mask).sum() + coef * aux).backward()
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor()
+            torch.testing.assert_close(grad, want[name.replace("_checkpoint_wrapped_module.", "")], rtol=1e-5,
+                                       atol=1e-5, msg=name)  # fmt: skip
+    assert min(balance_share.values()) > 1e-3, balance_share  # the balance does move every router
+    with torch.no_grad():  # no-grad forwards (old/reference log-probs, generation) are not the update's
+        models.forward_logprobs(model, *packed[:2], 1.0)
+    with pytest.raises(RuntimeError, match="no forward with gradients"):
+        balance.loss()
