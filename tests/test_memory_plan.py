@@ -303,6 +303,27 @@ def test_new_family_recipes_fit_one_node(config, model, params):
     assert plan_problem(plan) is None
 
 
+@pytest.mark.parametrize(
+    "config, model, params, active",
+    [("configs/qwen3_vl_30b_a3b_geo3k.yaml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 3_891_664_112),
+     ("configs/qwen3_5_35b_a3b_geo3k.yaml", "Qwen/Qwen3.5-35B-A3B", 35_107_181_936, 3_901_560_176)],
+)  # fmt: skip
+def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, model, params, active):
+    """Guards against shipping a 30B/35B mixture-of-experts recipe that cannot run on 8 x 80 GB, or that fits only
+    because the plan counts the active experts where all are stored: the sharded states are those of every
+    parameter (bf16 weights and gradients, AdamW's two bf16 moments, a bf16 reference), the moments leave the GPU
+    while it generates, the plan fits, and without the recipe's two levers it does not."""
+    plan = plan_memory(load_config(config, NODE), 8)
+    assert plan.model == model and plan.numbers["params"]["total"] == params
+    assert plan.numbers["params"]["active"] == active
+    update = plan.numbers["phases"]["update"]
+    assert [update[k] for k in ("params", "grads", "reference")] == pytest.approx([2 * params / 8] * 3)
+    assert plan.numbers["phases"]["rollout"]["adam"] == 0 and plan_problem(plan) is None
+    assert plan.numbers["phases"]["optimizer step"]["adam"] == pytest.approx(4 * params / 8)
+    plain = plan_memory(load_config(config, [*NODE, "actor.master_dtype=fp32", "actor.offload_optimizer=false"]), 8)
+    assert "does not fit" in plan_problem(plain)
+
+
 def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
     """Guards against actor.freeze_vision_tower or actor.ref_offload changing nothing in the plan (or everything):
     a frozen tower has no gradients, AdamW moments or activations; an offloaded reference leaves the GPU."""
