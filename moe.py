@@ -143,10 +143,15 @@ def describe(model) -> str:
             f"{c.moe_intermediate_size}; forward {impl} (transformers' experts_implementation)")  # fmt: skip
 
 
+# a decoder layer's router: so named in transformers 5 (its forward returns the logits (N, E) first, then the top-k
+# weights and chosen experts) and in vLLM 0.26 to 0.33 (a linear layer returning (logits, bias))
+ROUTER = re.compile(r"layers\.(\d+)\.mlp\.gate$")
+
+
 def routers(model) -> list:
-    """The language model's routers, one a decoder layer (`mlp.gate`: its forward returns the router logits (N, E)
-    first, then the top-k weights and indices)."""
-    return [layer.mlp.gate for layer in model.model.language_model.layers]
+    """The router of every MoE layer of `model` (the trainer's or vLLM's), in layer order."""
+    found = {int(m[1]): module for name, module in model.named_modules() if (m := ROUTER.search(name))}
+    return [found[i] for i in sorted(found)]
 
 
 class RouterBalance:

@@ -7,6 +7,7 @@ and how fast is it?
     python bench/gpu_check.py --enforce-eager   # vLLM without CUDA graphs (rollout.enforce_eager=true)
     python bench/gpu_check.py --set actor.ref_offload=true --set data.max_response_length=1024
     python bench/gpu_check.py --family qwen3_5 --lora  # Qwen3.5-9B's shape: linear attention through fla's kernel
+    python bench/gpu_check.py --family qwen3_vl_moe --lora  # Qwen3-VL-30B-A3B's shape: one H200 (141 GiB)
 
 1. Builds a random Qwen2.5-VL with the 3B shape (36 layers of width 2048, the 32-block vision tower, the 151,936-row
    vocabulary) from a config written here, with the tiny test tokenizer padded to the real token count, and saves
@@ -33,7 +34,12 @@ peak GPU memory against the plan's, and the agreements. Needs torch >= 2.11, tra
 safetensors, pillow, pyyaml, jinja2, pyarrow (and peft + accelerate for --lora); vLLM and the geo3k graders are
 optional, and nothing is downloaded. With --family qwen3_5 the model has Qwen3.5-9B's shape instead (LoRA only: its
 full fine-tuning does not fit one GPU), and its linear-attention layers take fla's kernels where flash-linear-attention
-is installed (linear_attention.py; without it they run a sequence at a time, with a warning).
+is installed (linear_attention.py; without it they run a sequence at a time, with a warning). With --family
+qwen3_vl_moe it is Qwen3-VL-30B-A3B's shape (31.1 B parameters, 3.9 B active, against the dense 3B/8B figures), LoRA
+only; its bf16 weights, 57.9 GiB, are there twice while vLLM generates (trainer and engine), which one 80 GiB GPU
+cannot hold (the dry run says so; `--set trainer.gpu_memory_gib=141` plans an H200). Its engine-vs-trainer
+comparison also prints the share of (token, layer) pairs that vLLM routes to other experts than the trainer
+(routing.py), with vLLM eager: module hooks read the routers, and CUDA graphs would not run them.
 """
 
 import argparse
@@ -53,6 +59,7 @@ sys.path.insert(0, REPO)
 import batching  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
+import routing  # noqa: E402
 import train_grpo  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
@@ -113,10 +120,35 @@ def qwen3_5_9b_config(tokenizer):
                          dtype="bfloat16")  # fmt: skip
 
 
+def qwen3_vl_30b_a3b_config(tokenizer):
+    """Qwen3-VL-30B-A3B's architecture (its published config.json; memory_plan.KNOWN_SHAPES' numbers): 48 layers of
+    width 2048, each a mixture of 128 experts with 8 routed a token (3 B of its 31 B parameters active), Qwen3-VL's
+    27-block tower with deepstack, 151,936 embedding rows untied, with token ids from our tokenizer."""
+    from transformers import Qwen3VLMoeConfig
+
+    vision_ids, special = _token_ids(tokenizer)
+    text = dict(
+        vocab_size=REAL_VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu", max_position_embeddings=262144,
+        rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+        norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                              "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        **special,
+    )  # fmt: skip
+    vision = dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+    )  # fmt: skip
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
+                            dtype="bfloat16")  # fmt: skip
+
+
 # --family -> (the architecture, its name, the recipe the check scales down to one GPU)
 SHAPES = {
     "qwen2_5_vl": (qwen2_5_vl_3b_config, "Qwen2.5-VL-3B", "configs/geo3k_3b.yaml"),
     "qwen3_5": (qwen3_5_9b_config, "Qwen3.5-9B", "configs/qwen3_5_9b_geo3k.yaml"),
+    "qwen3_vl_moe": (qwen3_vl_30b_a3b_config, "Qwen3-VL-30B-A3B", "configs/qwen3_vl_8b_geo3k.yaml"),
 }
 
 
@@ -147,7 +179,7 @@ def build_model(out_dir, family="qwen2_5_vl"):
 
 def real_size_tokenizer(family="qwen2_5_vl"):
     tokenizer = build_tokenizer(seed=0, vocab_size=400, tokenizer_class=FAMILIES[family][0])
-    real = REAL_TOKENS if family == "qwen2_5_vl" else QWEN3_5_VOCAB
+    real = QWEN3_5_VOCAB if family == "qwen3_5" else REAL_TOKENS
     tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(real - len(tokenizer))])
     return tokenizer
 
@@ -283,7 +315,8 @@ def rollout_memory(sleeps, planned_gib):
 def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False, prompts=8, n=4):
     """vLLM's log-prob of each token it sampled against the trainer's (models.forward_logprobs, FSDP2) after a weight
     sync, for text prompts (the data's, its image dropped) and image prompts apart: max and mean |diff| over the
-    sampled tokens. bf16 on the GPU (what a run compares as rollout/logprob_diff_*), fp32 on CPU. One rank; vLLM's
+    sampled tokens. bf16 on the GPU (what a run compares as rollout/logprob_diff_*), fp32 on CPU. For an MoE family
+    also the share of (token, layer) pairs the two route to other experts (routing.agreement). One rank; vLLM's
     engine must be this process's first (its parallel state is per process), so main() runs it in a fresh one."""
     from types import SimpleNamespace
 
@@ -328,6 +361,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
             engine_logp[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
         diff = (engine_logp - logp).abs()[mask.bool()]
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
+    if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
+        result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
     return result
 
 
@@ -407,8 +442,10 @@ def engine_vs_trainer_process(model_dir, data_dir, args):
     """engine_vs_trainer in a fresh process (this one's vLLM engine ran the trainer's rollouts); {} if it failed."""
     import subprocess
 
+    # an MoE's routing is read by module hooks, which CUDA graphs and torch.compile's graphs do not run: eager there
+    eager = args.enforce_eager or models.family_of(model_dir).moe
     cmd = [sys.executable, os.path.abspath(__file__), "--engine-vs-trainer", model_dir, data_dir, "--response-tokens",
-           str(args.response_tokens), *(["--enforce-eager"] if args.enforce_eager else [])]  # fmt: skip
+           str(args.response_tokens), *(["--enforce-eager"] if eager else [])]  # fmt: skip
     env = {**os.environ, "MASTER_PORT": str(int(os.environ.get("MASTER_PORT", "29500")) + 7)}
     if subprocess.run(cmd, env=env).returncode != 0:
         print("engine vs trainer comparison failed (its output is above)")
@@ -430,7 +467,7 @@ def parse_args(argv=None):
         "--gpu-memory-utilization",
         type=float,
         default=0.0,
-        help="vLLM's share while awake (default 0.2; 0.4 for qwen3_5, whose bf16 weights are 17.6 GiB)",
+        help="vLLM's share while awake (default 0.2; 0.4 for qwen3_5, 0.5 for qwen3_vl_moe: weights 17.6, 57.9 GiB)",
     )
     parser.add_argument("--ref-offload", action="store_true", help="keep the reference model in host memory")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs")
@@ -443,9 +480,11 @@ def parse_args(argv=None):
     parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(SHAPES), help="the shape: " + ", ".join(
         f"{k} = {v[1]}" for k, v in SHAPES.items()))  # fmt: skip
     args = parser.parse_args(argv)
-    if args.family == "qwen3_5" and not args.lora:  # fp32 masters and AdamW alone: 16 B x 9.4 B = 140 GiB
-        parser.error("Qwen3.5-9B's full fine-tuning does not fit one GPU: add --lora")
-    args.gpu_memory_utilization = args.gpu_memory_utilization or (0.4 if args.family == "qwen3_5" else 0.2)
+    if args.family in ("qwen3_5", "qwen3_vl_moe") and not args.lora:  # fp32 masters and AdamW: 16 B a parameter
+        parser.error(f"{SHAPES[args.family][1]}'s full fine-tuning does not fit one GPU: add --lora")
+    # vLLM's share while awake: its bf16 weights and a KV cache (Qwen3-VL-30B-A3B's weights alone are 57.9 GiB)
+    utilization = {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5}.get(args.family, 0.2)
+    args.gpu_memory_utilization = args.gpu_memory_utilization or utilization
     return args
 
 
@@ -577,9 +616,14 @@ def main(argv=None):
                   f"; a sleep frees {mem['freed_by_sleep_gib']:.1f} GiB; free before/after each sleep "
                   f"{mem['free_gib_before_after_each_sleep']}")  # fmt: skip
         for modality, d in engine_agreement.items():
-            if isinstance(d, dict):
+            if modality in ("text", "image"):
                 print(f"  vLLM vs trainer log-probs of vLLM's samples ({engine_agreement['dtype']}, {modality}, "
                       f"{d['tokens']} tokens): max |diff| {d['max']:.3f}, mean {d['mean']:.4f}")  # fmt: skip
+        if "routing" in engine_agreement:
+            r = engine_agreement["routing"]
+            print(f"  vLLM vs trainer routing (eager engine): share of (token, layer) pairs whose top-k experts "
+                  f"differ: text {r['text']:.4f} ({r['text_tokens']} tokens), vision {r['vision']:.4f} "
+                  f"({r['vision_tokens']}), answers {r['answer']:.4f} ({r['answer_tokens']})")  # fmt: skip
     if tower:
         print(
             f"  log-probs vs padded ({agreement['attention']}, bf16): packed max |diff| "

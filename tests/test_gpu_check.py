@@ -60,12 +60,33 @@ def test_gpu_check_builds_the_real_qwen3_5_9b_shape(tmp_path):
     assert text == total - vision
 
 
+def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
+    """Guards against an MoE check that measures some other model: --family qwen3_vl_moe's config must give
+    Qwen3-VL-30B-A3B's parameter count (31,070,754,032, memory_plan's known shape, 3.89 B active) with 128 experts a
+    layer, 8 routed, in all 48 layers."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from memory_plan import KNOWN_SHAPES, count_params
+
+    gpu_check = load_gpu_check()
+    config = gpu_check.qwen3_vl_30b_a3b_config(gpu_check.real_size_tokenizer("qwen3_vl_moe"))
+    with torch.device("meta"):
+        model = Qwen3VLMoeForConditionalGeneration(config)
+    counts = count_params(KNOWN_SHAPES["Qwen/Qwen3-VL-30B-A3B-Instruct"])
+    assert sum(p.numel() for p in model.parameters()) == counts["total"] == 31_070_754_032
+    assert sum(p.numel() for p in model.model.visual.parameters()) == counts["vision"]
+    experts = [layer.mlp.experts.gate_up_proj.shape[0] for layer in model.model.language_model.layers]
+    assert experts == [128] * 48 and config.text_config.num_experts_per_tok == 8
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert gpu_check.build_model(str(tmp_path), "qwen3_vl_moe")[0] == counts["total"]
+
+
 def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     """Guards against overrides that the trainer rejects (a renamed key, a batch that does not divide) surfacing
     only after minutes of model building on a lent GPU."""
     gpu_check = load_gpu_check()
     for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"], ["--lora"],
-                 ["--family", "qwen3_5", "--lora"],
+                 ["--family", "qwen3_5", "--lora"], ["--family", "qwen3_vl_moe", "--lora"],
                  ["--set", "actor.ref_offload=true", "--set", "data.max_response_length=64"]):  # fmt: skip
         args = gpu_check.parse_args(argv)
         path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
@@ -75,14 +96,15 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
         assert cfg.actor.max_tokens_per_micro_batch > 0 and cfg.actor.padding_free  # the packed path is what runs
         assert not cfg.trainer.export_hf  # no 15 GB fp32 export written for nothing
         assert cfg.actor.lora_rank == (8 if args.lora else 0) and cfg.trainer.n_gpus_per_node == 1
-        assert cfg.rollout.gpu_memory_utilization == (0.4 if args.family == "qwen3_5" else 0.2)
+        assert cfg.rollout.gpu_memory_utilization == {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5}.get(args.family, 0.2)
         assert cfg.rollout.enforce_eager is False  # CUDA graphs on, as a real run has them
     assert cfg.actor.ref_offload and cfg.data.max_response_length == 64  # --set comes last, and wins
     args = gpu_check.parse_args(["--enforce-eager"])
     path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
     assert load_config(path, overrides).rollout.enforce_eager
-    with pytest.raises(SystemExit):  # Qwen3.5-9B's full fine-tuning: 140 GiB of fp32 state before anything else
-        gpu_check.parse_args(["--family", "qwen3_5"])
+    for family in ("qwen3_5", "qwen3_vl_moe"):  # full fine-tuning: 140 and 460 GiB of fp32 state before the rest
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--family", family])
 
 
 @pytest.mark.parametrize(
@@ -104,6 +126,20 @@ def test_gpu_check_dry_run_fits_one_80gb_gpu(argv, capsys, monkeypatch):
     # and a run that cannot fit says so and exits non-zero
     assert load_gpu_check().main(["--dry-run", "--set", "actor.freeze_vision_tower=false"]) == 1
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_gpu_check_dry_run_of_the_moe_plans_an_h200(capsys, monkeypatch):
+    """Guards against an MoE check that starts minutes of model building on a GPU it cannot fit: Qwen3-VL-30B-A3B's
+    bf16 weights are held twice while vLLM generates (trainer and engine, 57.9 GiB each), so the dry run says one
+    80 GiB GPU does not fit and one H200 (141 GiB) does."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS", "LOCAL_WORLD_SIZE", "SLURM_MEM_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["--dry-run", "--family", "qwen3_vl_moe", "--lora"]
+    assert load_gpu_check().main(argv) == 1
+    assert "does not fit" in capsys.readouterr().out
+    assert load_gpu_check().main([*argv, "--set", "trainer.gpu_memory_gib=141"]) == 0
+    out = capsys.readouterr().out
+    assert "31.07 B, 3.89 B active" in out and "fits one GPU (Qwen3-VL-30B-A3B, LoRA rank 8)" in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])

@@ -159,3 +159,48 @@ def test_router_balance_loss_and_its_gradient_equal_transformers(tiny_family_dir
         models.forward_logprobs(model, *packed[:2], 1.0)
     with pytest.raises(RuntimeError, match="no forward with gradients"):
         balance.loss()
+
+
+def test_routing_disagreement_compares_sets_per_token_kind():
+    """Guards against a routing measure that counts the same experts listed in another order as a mismatch, mixes
+    the token kinds up, or counts the answer from the wrong end. Hand values: 2 layers, top-2."""
+    import routing
+
+    engine = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[1, 2], [0, 3]], [[1, 2], [0, 3]]])  # (L, layers, k)
+    trainer = torch.tensor([[[1, 0], [3, 2]], [[0, 2], [2, 3]], [[2, 1], [0, 1]], [[1, 2], [3, 0]]])
+    types = torch.tensor([0, 1, 0, 0])  # text, image, text, text; the last two the answer
+    got = routing.disagreement([engine], [trainer], [types], [2])
+    assert got == pytest.approx({"text": 1 / 6, "text_tokens": 3, "vision": 1 / 2, "vision_tokens": 1, "answer": 1 / 4,
+                                 "answer_tokens": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_trainer_routing_is_each_sequences_own(tiny_family_dir, family):
+    """Guards against the trainer's routing rows misplaced by the padded layout (left-padded prompts, right-padded
+    answers) or a router that is not the one the experts follow: each sequence's rows in a padded batch are those
+    of the sequence alone, one per token and layer, and the experts the hooks record are the top-k of the router's
+    logits."""
+    from transformers import AutoProcessor
+
+    import routing
+
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    prompts, answers = _mixed_batch(processor, model.config.image_token_id)
+    pad_id = processor.tokenizer.pad_token_id
+    rows, types = routing.trainer_routing(model, prompts, answers, pad_id)
+    config = model.config.get_text_config()
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        alone, _ = routing.trainer_routing(model, [p], [a], pad_id)
+        assert rows[i].shape == (len(p.input_ids) + len(a), config.num_hidden_layers, config.num_experts_per_tok)
+        assert torch.equal(rows[i], alone[0])
+        assert int((types[i] == 1).sum()) == int((p.input_ids == model.config.image_token_id).sum())
+    # the engine's side takes the top-k of its router's logits: transformers' routers choose the same
+    k = config.num_experts_per_tok
+    gaps, handles = routing.record(moe.routers(model), lambda out: out[2].sort(-1).values
+                                   - out[0].topk(k, dim=-1).indices.sort(-1).values)  # fmt: skip
+    routing.trainer_routing(model, prompts, answers, pad_id)
+    for h in handles:
+        h.remove()
+    assert len(gaps) == config.num_hidden_layers and all(r and not any(g.any() for g in r) for r in gaps)

@@ -13,6 +13,7 @@ the loop, and the log-probs are compared after that second sync, which resends o
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ import lora  # noqa: E402
 import models  # noqa: E402
 import moe  # noqa: E402
 import rollout  # noqa: E402
+import routing  # noqa: E402
 import runtime  # noqa: E402
 import train_grpo  # noqa: E402
 import video  # noqa: E402
@@ -155,6 +157,9 @@ def main():
     samples = engine.generate(image, 2, params, seed=rank)
     result["diff_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0)
     result["over_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0, over=0.05)
+    moe_run = models.family(model).moe and not with_lora
+    if moe_run:  # one answer a prompt: the engine reads each sequence in a request of its own
+        result["routing_before_sync"] = routing.agreement(engine, model, image, samples[::2], pad_id)
 
     engine.wake()
     first = []
@@ -179,7 +184,14 @@ def main():
     result["over_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0, over=0.05)
     result["over_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0, over=0.05)
     videos = make_video_prompts(processor, rank)  # vLLM expands each video's pad as the trainer's processor does
-    result["diff_video"] = max_logprob_diff(model, videos, engine.generate(videos, 4, params, seed=seed), ids, 1.0)
+    video_samples = engine.generate(videos, 4, params, seed=seed)
+    result["diff_video"] = max_logprob_diff(model, videos, video_samples, ids, 1.0)
+    if moe_run:  # one answer of each image and video prompt
+        both = image + videos
+        answers = image_samples[::4] + [
+            replace(s, prompt_index=s.prompt_index + len(image)) for s in video_samples[::4]
+        ]
+        result["routing"] = routing.agreement(engine, model, both, answers, pad_id)
     result["prompt_index"] = [s.prompt_index for s in image_samples]
     result["image_samples"] = [s.response_ids for s in image_samples]
     result["repeat_equal"] = [s.response_ids for s in engine.generate(image, 4, params, seed=seed)] == [
