@@ -8,6 +8,16 @@ wrapper), so the model keeps its class, config and module paths, and FSDP2 wraps
 PEFT renames a wrapped linear's weight `q_proj.weight` -> `q_proj.base_layer.weight` and adds
 `q_proj.lora_A.default.weight` (r, in) and `q_proj.lora_B.default.weight` (out, r); its output is
 base(x) + scale * B(A(dropout(x))), scale = lora_alpha / lora_rank.
+
+The routed experts of the MoE families are 3-D parameters, not Linear modules: the target `experts` (opt-in) puts
+PEFT's ParamWrapper (LoraConfig.target_parameters) on `mlp.experts.gate_up_proj` (E, 2I, H) and `down_proj`
+(E, H, I). PEFT reads them as transformers holds them, (E, out, in), and gives each one adapter of rank r per expert
+in two Linear factors: lora_A (E * r, in), rows expert-major (expert e's A_e = rows [e r, (e + 1) r)), and lora_B
+(out, r * E), columns expert-minor (B_e = columns e, e + E, ...); expert e's update is scale * B_e A_e (out, in).
+Its forward adds that update to the parameter itself for the call (a torch parametrization), so transformers'
+experts forward, eager or grouped_mm, runs unchanged. The two wrappers nest on one experts module
+(`experts.base_layer.base_layer.gate_up_proj`). PEFT refuses dropout there: B A is added to the weight, which
+leaves no input of the adapter's own to drop.
 """
 
 from __future__ import annotations
@@ -18,14 +28,16 @@ import re
 import torch
 
 LORA_ADAPTER = "default"  # PEFT's name of the one adapter
+EXPERTS = "experts"  # the target that adapts an MoE's routed experts
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # what PEFT wraps for it (name suffixes)
 
 
 def lora_target_regex(targets) -> str:
     """actor.lora_target_modules -> the regex PEFT matches against whole module names. A plain name (`q_proj`) is a
     module of the language model's decoder layers; `visual.NAME` one of the vision tower (`visual.qkv`): the tower
     has modules named like the language model's (its MLP's gate_proj/up_proj/down_proj) and stays frozen unless
-    named this way; `lm_head` the output head."""
-    text = [re.escape(t) for t in targets if not t.startswith("visual.") and t != "lm_head"]
+    named this way; `lm_head` the output head. (`experts` is no module: lora_config adapts those parameters.)"""
+    text = [re.escape(t) for t in targets if not t.startswith("visual.") and t not in ("lm_head", EXPERTS)]
     vision = [re.escape(t[len("visual.") :]) for t in targets if t.startswith("visual.")]
     parts = [rf"model\.language_model\.layers\.\d+\.(?:.*\.)?(?:{'|'.join(text)})"] if text else []
     parts += [rf"model\.visual\.(?:.*\.)?(?:{'|'.join(vision)})"] if vision else []
@@ -37,9 +49,14 @@ def lora_config(actor):
     """The peft LoraConfig of the config's actor section."""
     from peft import LoraConfig
 
+    experts = EXPERTS in actor.lora_target_modules
+    if experts and actor.lora_dropout:
+        why = "PEFT adds an expert's B A to its weight: no adapter input to drop"
+        raise ValueError(f"actor.lora_target_modules: {EXPERTS} needs actor.lora_dropout=0 ({why})")
     return LoraConfig(
         r=actor.lora_rank, lora_alpha=actor.lora_alpha, lora_dropout=actor.lora_dropout,
-        target_modules=lora_target_regex(actor.lora_target_modules), base_model_name_or_path=actor.model_path,
+        target_modules=lora_target_regex(actor.lora_target_modules) or None,
+        target_parameters=EXPERT_PARAMS if experts else None, base_model_name_or_path=actor.model_path,
     )  # fmt: skip
 
 
@@ -47,7 +64,11 @@ def add_lora(model, config):
     """Inject the adapters (on the meta device too: init_lora fills them after loading) and freeze all else."""
     from peft import inject_adapter_in_model
 
-    if re.fullmatch(config.target_modules, "lm_head") and model.lm_head.weight is model.get_input_embeddings().weight:
+    if config.target_parameters and not any(n.endswith(tuple(EXPERT_PARAMS)) for n, _ in model.named_parameters()):
+        raise ValueError(f"actor.lora_target_modules: {EXPERTS} adapts the routed experts of a mixture-of-experts "
+                         f"family, and {model.config.model_type} has none")  # fmt: skip
+    head = config.target_modules and re.fullmatch(config.target_modules, "lm_head")
+    if head and model.lm_head.weight is model.get_input_embeddings().weight:
         # the head is the embedding: a merged export (one tensor for both) could not hold the head's update alone
         raise ValueError("actor.lora_target_modules: lm_head is tied to the input embeddings in this model")
 
@@ -62,8 +83,9 @@ def is_lora_factor(name: str) -> bool:
 
 
 def base_name(name: str) -> str:
-    """A parameter's name in the plain model: PEFT's `.base_layer` dropped."""
-    return name.replace(".base_layer.", ".")
+    """A parameter's (or module's) name in the plain model: PEFT's `.base_layer`s dropped (nested ones too: the
+    experts' two wrappers)."""
+    return re.sub(r"(?:\.base_layer)+(?=\.|$)", "", name)
 
 
 def lora_layers(model) -> dict:
@@ -149,22 +171,37 @@ def all_gather_rows(local, n, group, async_op=False):
 
 @torch.no_grad()
 def lora_delta(layer) -> torch.Tensor:
-    """scale * B @ A of a LoRA layer, the full (out, in) update of its base weight. Collective under FSDP2 (it
-    all-gathers both factors: small, rank x (in + out))."""
+    """scale * B @ A of a LoRA layer, the full (out, in) update of its base weight, or (E, out, in) of an experts
+    parameter's. Collective under FSDP2 (it all-gathers both factors: small, rank x (in + out), E times that)."""
+    if hasattr(layer, "parameter_name"):
+        a, b = expert_factors(layer)
+        return torch.bmm(b, a) * layer.scaling[LORA_ADAPTER]  # (E, out, in)
     a, b = full_tensor(layer.lora_A[LORA_ADAPTER].weight), full_tensor(layer.lora_B[LORA_ADAPTER].weight)
     return (b @ a) * layer.scaling[LORA_ADAPTER]
+
+
+@torch.no_grad()
+def expert_deltas(layer):
+    """e -> scale * B_e @ A_e (out, in), expert e's update, of PEFT's adapter on an experts parameter: for the sync,
+    which sends one expert at a time and must not build all E updates at once (as large as the parameter).
+    Collective under FSDP2: it all-gathers the factors, once."""
+    a, b = expert_factors(layer)
+    return lambda e: (b[e] @ a[e]) * layer.scaling[LORA_ADAPTER]
+
+
+def expert_factors(layer):
+    """(A (E, r, in), B (E, out, r)), whole, of PEFT's adapter on an experts parameter, from its Linear factors
+    lora_A (E * r, in) and lora_B (out, r * E) (the layout in the module docstring). Collective under FSDP2."""
+    a, b = full_tensor(layer.lora_A[LORA_ADAPTER].weight), full_tensor(layer.lora_B[LORA_ADAPTER].weight)
+    e = layer.num_experts
+    return a.reshape(e, -1, a.shape[-1]), b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
 
 
 def merged_parameters(model):
     """[(name, parameter, LoRA layer or None)]: the model's parameters under the plain model's names (PEFT's
     `.base_layer` dropped, the LoRA factors left out). A LoRA-adapted weight comes with its layer: its value is the
     parameter plus lora_delta(layer). Without LoRA: named_parameters() with None."""
-    layers = lora_layers(model)
-    out = []
-    for name, p in model.named_parameters():
-        if is_lora_factor(name):
-            continue
-        module, _, leaf = name.rpartition(".")
-        layer = layers.get(module.removesuffix(".base_layer")) if leaf == "weight" else None
-        out.append((base_name(name), p, layer))
-    return out
+    # the plain name of the parameter each layer adapts: a Linear's weight, or the one an experts wrapper names
+    layers = {f"{base_name(n)}.{getattr(m, 'parameter_name', 'weight')}": m for n, m in lora_layers(model).items()}
+    return [(base_name(name), p, layers.get(base_name(name))) for name, p in model.named_parameters()
+            if not is_lora_factor(name)]  # fmt: skip

@@ -337,11 +337,15 @@ def _tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:
 def lora_params(s: ModelShape, rank: int, targets) -> dict[str, int]:
     """Exact parameter counts of LoRA adapters of `rank` on the modules actor.lora_target_modules names (models.py
     reads them the same way: a plain name is a decoder-layer projection, `visual.NAME` one of the vision tower's,
-    `lm_head` the output head); an adapter on an (in, out) Linear has rank x (in + out). Per FSDP2 unit: the
+    `lm_head` the output head, `experts` an MoE's routed experts); an adapter on an (in, out) Linear has
+    rank x (in + out), one on an experts parameter (E, out, in) that for each of its E experts. Per FSDP2 unit: the
     largest decoder layer's, the vision tower's, the root's (the head), and all."""
     text = {t.split(".")[-1] for t in targets if not t.startswith("visual.") and t != "lm_head"}
     vision = {t.split(".")[-1] for t in targets if t.startswith("visual.")}
-    layers = [rank * sum(a + b for name, (a, b) in layer.items() if name in text) for layer in _decoder_linears(s)]
+    h, i = s.hidden, s.expert_intermediate
+    experts = rank * s.experts * ((h + 2 * i) + (i + h)) if "experts" in text else 0  # gate_up_proj, down_proj
+    layers = [experts + rank * sum(a + b for name, (a, b) in layer.items() if name in text)
+              for layer in _decoder_linears(s)]  # fmt: skip
     tower = rank * sum(a + b for name, (a, b) in _tower_linears(s) if name in vision)
     head = rank * (s.hidden + s.vocab) if "lm_head" in targets else 0
     return {"layer": max(layers), "vision": tower, "root": head, "total": sum(layers) + tower + head}
@@ -428,6 +432,9 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
     pair = n["layer"] + max(n["vision"], n["layer"])
     gathered = 2 * (n["root"] + pair)
+    # LoRA on the experts: PEFT's forward adds B A to a layer's whole experts parameters, a bf16 copy of them that the
+    # backward keeps (the experts' matmuls saved it) unless the layer is recomputed: one layer's, or every layer's
+    adapted = 2 * 3 * s.experts * s.hidden * s.expert_intermediate if x.lora_rank and "experts" in x.lora_targets else 0
 
     def head(tokens, grad):  # one chunk's logits: bf16, fp32 upcast, /temperature, softmax (+ their grads backward)
         per_logit = 20 if grad else 14
@@ -464,7 +471,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     phases = {
         "update": {
             **resident,
-            "gathered": gathered,
+            "gathered": gathered + adapted * (1 if x.checkpointing else s.layers),
             "grads in flight": unit_grads,
             "activations": activations,
             **never_sleeps,
@@ -473,7 +480,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "log-probs": {
             **resident,
             "grads": 0,
-            "gathered": gathered + (2 * n["root"] if reference else 0),
+            "gathered": gathered + adapted + (2 * n["root"] if reference else 0),
             "activations": nograd,
             **never_sleeps,
             "runtime": RUNTIME,

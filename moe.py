@@ -96,10 +96,11 @@ def export_pieces(name: str, kind: str, shape) -> list[tuple[str, tuple, callabl
     ]
 
 
-def stream_experts(name: str, param, dtype):
+def stream_experts(name: str, param, dtype, delta=None):
     """Yield (vLLM's name, tensor) for every expert of the model's expert parameter `name`, one expert at a time, as
     the per-expert checkpoint tensors (`experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)), in
-    `dtype`. Collective under FSDP2: every rank of the shard group must iterate it to the end. Each expert is
+    `dtype`; with `delta` (e -> expert e's LoRA update (out, in), lora.expert_deltas) each merged into its expert in
+    fp32 first. Collective under FSDP2: every rank of the shard group must iterate it to the end. Each expert is
     broadcast from the rank whose dim-0 shard holds it, so a rank holds one expert's tensor beside vLLM's weights,
     never the whole gathered parameter (a layer's experts are most of its weights: 1.2 GB of bf16 per layer of
     Qwen3-VL-30B-A3B)."""
@@ -111,13 +112,17 @@ def stream_experts(name: str, param, dtype):
     local = param.to_local() if mesh is not None else param
     group = mesh.get_group(0) if mesh is not None else None
     per_rank = -(-param.shape[0] // mesh.size()) if mesh is not None else param.shape[0]  # torch.chunk's split
+
+    def merged(e, row):  # (out, in) in `dtype`
+        return (local[row] if delta is None else local[row] + delta(e)).to(dtype).contiguous()
+
     for e in range(param.shape[0]):
         owner, row = divmod(e, per_rank)
         if mesh is None:
-            expert = local[e].to(dtype)
+            expert = merged(e, e)
         else:
             mine = mesh.get_local_rank() == owner
-            expert = local[row].to(dtype).contiguous() if mine else local.new_empty(param.shape[1:], dtype=dtype)
+            expert = merged(e, row) if mine else local.new_empty(param.shape[1:], dtype=dtype)
             dist.broadcast(expert, src=dist.get_global_rank(group, owner), group=group)
         rows = expert.shape[0] // len(parts)
         for j, part in enumerate(parts):

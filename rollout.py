@@ -419,8 +419,9 @@ class VLLMEngine:
 
         def weights():
             for name, param, layer in params:
-                if layer is None and moe.EXPERT_PARAM.match(name):  # an MoE's experts: one expert at a time
-                    yield from moe.stream_experts(name, param.detach(), self.dtype)
+                if moe.EXPERT_PARAM.match(name):  # an MoE's experts: one expert at a time, merged if adapted
+                    delta = lora.expert_deltas(layer) if layer is not None else None
+                    yield from moe.stream_experts(name, param.detach(), self.dtype, delta)
                     continue
                 if layer is None:
                     # cast before gathering (halves the traffic for bf16); fp32 -> bf16 is the same either way round

@@ -167,8 +167,8 @@ class ActorConfig:
     lora_alpha: int = 16  # LoRA scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input, in update forwards only (eval forwards have none)
     # modules given adapters: plain names are the language model's decoder-layer projections; `visual.NAME` adapts
-    # the vision tower's (e.g. visual.qkv, visual.proj), which otherwise stays frozen; `lm_head` the output head
-    # (refused when it is tied to the embeddings)
+    # the vision tower's (visual.qkv), else frozen; `lm_head` the head (not if tied to the embeddings); `experts` an
+    # MoE's routed experts, opt-in: most of its weights, a bf16 copy of a layer's per forward (docs/lora.md)
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -133,9 +132,9 @@ def run_rank(args):
     if args.variant == "old":
         model, _ = old_load(args.model, device)
     else:
-        actor = SimpleNamespace(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False,
-                                freeze_vision_tower=False, ref_offload=False, lora_rank=0,
-                                master_dtype="fp32")  # fmt: skip
+        from train_grpo import ActorConfig
+
+        actor = ActorConfig(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False)
         model, _ = models.load_policy_and_reference(actor, device, True, 0)
     load = [rss_bytes("VmHWM") - before, time.perf_counter() - t0, marks[0]]
     dist.barrier()

@@ -14,7 +14,6 @@ dtypes, and save_hf of each sharded model (one file, and split into several) rea
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -159,8 +158,7 @@ def main():
     facts["packed_logp_max_abs_diff"] = (logp_new - logp_old).abs().max().item()
     facts["packed_logp_nonzero"] = int((logp_new != 0).sum())
 
-    actor = SimpleNamespace(model_path=tiny, attn_implementation="auto", gradient_checkpointing=True,
-                            freeze_vision_tower=True, ref_offload=False, lora_rank=0, master_dtype="fp32")  # fmt: skip
+    actor = train_grpo.ActorConfig(model_path=tiny, attn_implementation="auto", freeze_vision_tower=True)
     policy, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
     facts["policy_dtypes"] = sorted({str(p.dtype) for p in policy.parameters()})
     facts["policy_trainable"] = {part: sorted({p.requires_grad for n, p in policy.named_parameters() if part in n})

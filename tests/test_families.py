@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import batching
 import models
+import moe
 from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
@@ -277,18 +278,47 @@ def routing_mismatch(family, ranks):
           + " (before the sync " + ", ".join(f"{k} {v:.2f}" for k, v in before.items()) + ")")  # fmt: skip
 
 
-def test_lora_resync_of_an_moe_leaves_its_experts_as_they_are(tiny_family_dir, tmp_path):
+@pytest.fixture(scope="module")
+def lora_moe_run(tiny_family_dir, tmp_path_factory):
+    """tests/vllm_check.py's `lora` mode on the tiny Qwen3.5-MoE (one launch for both tests below)."""
+    out = tmp_path_factory.mktemp("vllm_lora_moe")
+    torchrun(2, "tests/vllm_check.py", tiny_family_dir("qwen3_5_moe"), str(out), "1", "lora")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_lora_resync_of_an_moe_leaves_its_experts_as_they_are(lora_moe_run):
     """Guards against a LoRA resync that breaks an MoE engine: with adapters on attention, Qwen3.5-MoE's shared
     expert (down_proj) and the tower, a resync sends those modules only, never the experts, and the engine's MoE
     layers, which get nothing, must keep their CPU kernels (one dropped for a reload that sends nothing would leave
     the layer without one). The log-probs after the resync are the trainer's, to bf16 with its routing flips."""
-    torchrun(2, "tests/vllm_check.py", tiny_family_dir("qwen3_5_moe"), str(tmp_path), "1", "lora")
-    for r in range(2):
-        rank = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for rank in lora_moe_run:
         assert rank["resynced"] and not any(".experts." in n for n in rank["resynced"])
         assert any(".shared_expert.down_proj." in n for n in rank["resynced"])
+        assert "forget_cpu_moe_kernels" not in rank["resync_applied"]
         assert rank["over_before_sync"] > 0.5 and rank["over_text"] <= 0.1 and rank["over_image"] <= 0.1
         assert max(rank["diff_text"], rank["diff_image"], rank["diff_video"]) <= VLLM_BOUNDS["qwen3_5_moe"][0]
+
+
+def test_lora_on_the_experts_resyncs_them_one_expert_at_a_time(lora_moe_run):
+    """Guards against adapters on the routed experts (target `experts`) that the engine never sees, or sees wrong: a
+    resync must send the MLPs that hold them, the experts merged and one expert at a time (per-expert names, never a
+    gathered 3-D parameter), drop the engine's CPU MoE kernels first, and leave the engine's log-probs the
+    trainer's, to the family's bound, where before the resync they were not."""
+    text_bound, image_bound = VLLM_BOUNDS["qwen3_5_moe"]
+    for rank in lora_moe_run:
+        sent = rank["experts/resynced"]
+        assert sum(bool(moe.PER_EXPERT.match(n)) for n in sent) == 2 * 4 * 3  # 2 layers x 4 experts x gate, up, down
+        assert not any(moe.EXPERT_PARAM.match(n) for n in sent)
+        assert any(n.endswith(".mlp.gate.weight") for n in sent)  # the rest of each adapted MLP goes with them
+        assert "forget_cpu_moe_kernels" in rank["experts/applied"]
+        assert rank["experts/over_before_sync"] > 0.5
+        assert rank["experts/over_text"] <= 0.1 and rank["experts/over_image"] <= 0.1
+        assert rank["experts/diff_text"] <= text_bound and rank["experts/diff_image"] <= image_bound
+    print("qwen3_5_moe, LoRA on the experts: vLLM vs trainer max |dlogp| "
+          + ", ".join(f"{k} {max(r[f'experts/diff_{k}'] for r in lora_moe_run):.1e}" for k in ("text", "image"))
+          + "; share of tokens over 0.05: "
+          + f"{max(max(r['experts/over_text'], r['experts/over_image']) for r in lora_moe_run):.3f} "
+          + f"(before the resync {min(r['experts/over_before_sync'] for r in lora_moe_run):.2f})")  # fmt: skip
 
 
 # (Of the MoE families only Qwen3.5-MoE, whose path has the most of its own -- linear attention, a shared expert, an

@@ -46,7 +46,8 @@ def test_experts_are_all_stored_and_top_k_active(tiny_family_dir, family):
     """Guards against a plan that counts an MoE as the dense model of its active parameters (its states and gathers
     would be planned 8-10x too small) or as one whose every token goes through every expert (activations too large):
     the count from config.json equals the tiny model's parameters, all experts included, per FSDP2 unit; `active`
-    leaves out the experts a token is not routed to; the activations are those of the top-k experts' width."""
+    leaves out the experts a token is not routed to; the activations are those of the top-k experts' width; adapters
+    on the experts add the adapted copy PEFT's forward builds."""
     from transformers import AutoModelForImageTextToText
 
     path = tiny_family_dir(family)
@@ -68,6 +69,14 @@ def test_experts_are_all_stored_and_top_k_active(tiny_family_dir, family):
     for phase in ("update", "log-probs"):
         assert moe_plan[phase]["activations"] == dense_plan[phase]["activations"] > 0
     assert plan.numbers["states"]["params"] == 4 * counts["total"] / 8
+    # LoRA on the experts: PEFT's forward builds a layer's adapted experts (bf16) beside the gathered units, and the
+    # backward keeps every layer's unless the layers are recomputed
+    for checkpointing, kept in (("true", 1), ("false", shape.layers)):
+        args = [f"actor.model_path={path}", *NODE, "actor.lora_rank=8", f"actor.gradient_checkpointing={checkpointing}"]
+        plain, adapted = (plan_memory(load_config(None, args + targets), 8).numbers["phases"]
+                          for targets in ([], ["actor.lora_target_modules=[q_proj,experts]"]))  # fmt: skip
+        assert adapted["update"]["gathered"] - plain["update"]["gathered"] == 2 * experts // shape.layers * kept
+        assert adapted["log-probs"]["gathered"] - plain["log-probs"]["gathered"] == 2 * experts // shape.layers
 
 
 def transformers_config(s):
@@ -124,15 +133,19 @@ def test_count_equals_transformers_for_the_known_sizes(name):
 DEFAULT_TARGETS = train_grpo.ActorConfig().lora_target_modules
 
 
-@pytest.mark.parametrize("name", ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3.5-9B"])
 @pytest.mark.parametrize(
-    "targets",
-    [DEFAULT_TARGETS, ["q_proj", "in_proj_z", "visual.proj", "visual.up_proj", "visual.linear_fc1", "lm_head"]],
-)
+    "name, targets",
+    [(name, targets) for name in ["Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3.5-9B"]
+     for targets in [DEFAULT_TARGETS, ["q_proj", "in_proj_z", "visual.proj", "visual.up_proj", "visual.linear_fc1",
+                                       "lm_head"]]]
+    + [("Qwen/Qwen3-VL-30B-A3B-Instruct", ["q_proj", "experts"]),
+       ("Qwen/Qwen3.5-35B-A3B", [*DEFAULT_TARGETS, "experts"])],
+)  # fmt: skip
 def test_lora_count_equals_the_adapters_peft_injects(name, targets):
     """Guards against a LoRA plan that counts the wrong modules (the tower's gate/up/down_proj, which share the
     decoder's names, only when `visual.` names them; the patch embedding's Conv3d, also named proj; Qwen3.5's
-    linear-attention projections; the deepstack mergers' linear_fc1) or the wrong widths (Qwen3.5's gated q_proj):
+    linear-attention projections; the deepstack mergers' linear_fc1) or the wrong widths (Qwen3.5's gated q_proj,
+    an MoE's experts: rank x (in + out) for each expert of gate_up_proj and down_proj):
     the adapters PEFT puts on transformers' model through lora.lora_config have exactly the counted parameters,
     per FSDP2 unit and in total."""
     from transformers import AutoModelForImageTextToText

@@ -204,3 +204,99 @@ def test_trainer_routing_is_each_sequences_own(tiny_family_dir, family):
     for h in handles:
         h.remove()
     assert len(gaps) == config.num_hidden_layers and all(r and not any(g.any() for g in r) for r in gaps)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_adapters_merge_as_peft_does(tiny_family_dir, family, tmp_path, one_rank_group, monkeypatch):
+    """Guards against LoRA on the routed experts (target `experts`, PEFT's ParamWrapper) that trains one thing and
+    ships another: factors read in the wrong layout (PEFT's lora_B holds an expert's rank columns strided by E), an
+    update transposed against transformers' (E, out, in) experts, adapters left random or untrained after the
+    meta-device load and FSDP2, a sync or export that drops or misplaces them. With random nonzero adapters the
+    merged weights (lora_delta, the sync's per-expert stream, save_hf's export in the checkpoint's layout) must be
+    PEFT's own merge of the adapter it exports, and the plain model with them must give the adapted model's
+    log-probs, through the eager loop and the grouped_mm path; the expert adapters get gradients, and switched off
+    they leave the base."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor
+
+    import checkpoint
+    import lora
+    import train_grpo
+
+    path = tiny_family_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    actor = train_grpo.ActorConfig(model_path=path, lora_rank=4, lora_target_modules=["q_proj", "experts"])
+    model = models.load_sharded(path, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
+    wrapped = {n: m for n, m in lora.lora_layers(model).items() if hasattr(m, "parameter_name")}
+    layers = model.config.text_config.num_hidden_layers
+    assert sorted(lora.base_name(n) + "." + m.parameter_name for n, m in wrapped.items()) == sorted(
+        f"model.language_model.layers.{i}.mlp.experts.{p}" for i in range(layers) for p in moe.PARTS
+    )
+    assert all(p.requires_grad == lora.is_lora_factor(n) for n, p in model.named_parameters())
+    assert all(not m.lora_B["default"].weight.full_tensor().any() for m in wrapped.values())  # B = 0 at init
+    g = torch.Generator().manual_seed(0)
+    for layer in lora.lora_layers(model).values():
+        b = layer.lora_B[lora.LORA_ADAPTER].weight
+        lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.3)
+
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    inputs, ids, mask = batching.pack(prompts, responses, model.config.image_token_id)
+    logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+    (logp * mask).sum().backward()
+    for layer in wrapped.values():
+        for factor in (layer.lora_A, layer.lora_B):
+            assert factor[lora.LORA_ADAPTER].weight.grad.full_tensor().abs().sum() > 0
+    with torch.no_grad(), lora.adapters_disabled(model):
+        ref_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+    with torch.no_grad():
+        calls = []
+        monkeypatch.setattr(
+            torch.nn.functional, "grouped_mm", lambda *a, **k: [calls.append(1), reference_grouped_mm(*a, **k)][1]
+        )
+        model.set_experts_implementation("grouped_mm")
+        grouped_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+        model.set_experts_implementation("eager")
+    assert len(calls) == 2 * layers  # the adapted experts did go through grouped_mm
+    models.reshard(model)
+
+    merged = {}  # the plain model's weights with the adapters merged, as the sync and the export compute them
+    for name, p, layer in lora.merged_parameters(model):
+        merged[name] = lora.full_tensor(p.detach()) + (lora.lora_delta(layer) if layer is not None else 0)
+        if moe.EXPERT_PARAM.match(name):  # the sync's stream: each expert merged on its own
+            assert layer is not None
+            stream = dict(moe.stream_experts(name, p.detach(), torch.float32, lora.expert_deltas(layer)))
+            for key, _, cut in moe.export_pieces(name, "per_expert", p.shape):
+                torch.testing.assert_close(stream[key], cut(merged[name]), rtol=1e-6, atol=1e-6, msg=key)
+    checkpoint.save_hf(model, processor, str(tmp_path / "hf"))
+    checkpoint.save_adapter(model, str(tmp_path / "adapter"))
+
+    plain = models.load_model(path, torch.device("cpu"), "sdpa")
+    base_logp = models.forward_logprobs(plain, inputs, ids, 1.0)[0].detach()
+    peft_merged = PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).merge_and_unload()
+    peft_state = peft_merged.state_dict()
+    for name, t in merged.items():
+        torch.testing.assert_close(peft_state[name], t, rtol=1e-6, atol=1e-6, msg=name)
+    exported = models.load_model(str(tmp_path / "hf"), torch.device("cpu"), "sdpa")
+    assert load_file(f"{path}/model.safetensors").keys() == load_file(tmp_path / "hf/model.safetensors").keys()
+    exported_logp = models.forward_logprobs(exported, inputs, ids, 1.0)[0].detach()
+    for other in (exported_logp, grouped_logp):
+        torch.testing.assert_close(other * mask, logp.detach() * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_logp * mask, base_logp * mask, rtol=1e-6, atol=1e-6)
+    assert ((logp.detach() - base_logp) * mask).abs().max() > 0.1  # the expert adapters do act
+
+
+def test_expert_adapters_are_refused_where_they_cannot_be(tiny_model_dir):
+    """Guards against the `experts` target passing silently where it adapts nothing (a dense family: the run would
+    train attention alone while the config says experts) or where PEFT's expert adapter cannot do what the config
+    asks (dropout: the update is added to the weight, there is no adapter input to drop)."""
+    import lora
+    import train_grpo
+
+    actor = train_grpo.ActorConfig(model_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "experts"])
+    model = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa", meta=True)
+    with pytest.raises(ValueError, match="qwen2_5_vl has none"):
+        lora.add_lora(model, lora.lora_config(actor))
+    actor.lora_dropout = 0.1
+    with pytest.raises(ValueError, match="experts needs actor.lora_dropout=0"):
+        lora.lora_config(actor)

@@ -7,7 +7,9 @@ engine is stale until synced), sync, sample, and recompute the sampled tokens' l
 
 With `lora` the trainer is the checkpoint with LoRA adapters (on q_proj, down_proj and the vision tower's qkv) and only
 the adapters are perturbed; after the first sync they are perturbed again and synced again, as after each update of
-the loop, and the log-probs are compared after that second sync, which resends only the modules LoRA changes.
+the loop, and the log-probs are compared after that second sync, which resends only the modules LoRA changes. On an
+MoE it then syncs a second trainer, the same targets plus `experts` with only the expert adapters perturbed, and
+compares again (keys `experts/...`): that resync resends the MLPs of the adapted experts, merged, one expert at a time.
 """
 
 import json
@@ -92,10 +94,13 @@ def count_vision_tokens(samples, vision_ids):
     return sum(t in vision_ids for s in samples for t in s.response_ids)
 
 
-def perturb_adapters(model, seed):
-    """Give the LoRA adapters a value (B = 0 makes them a no-op), the same on every rank."""
+def perturb_adapters(model, seed, experts_only=False):
+    """Give the LoRA adapters (or the routed experts' alone) a value (B = 0 makes them a no-op), the same on every
+    rank."""
     g = torch.Generator().manual_seed(seed)
     for layer in lora.lora_layers(model).values():
+        if experts_only and not hasattr(layer, "parameter_name"):
+            continue
         b = layer.lora_B[lora.LORA_ADAPTER].weight
         lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.5)
 
@@ -111,6 +116,37 @@ def record_synced_names(engine, names):
         return rpc(method, *args, kwargs=kwargs, **rest)
 
     engine.llm.collective_rpc = recording
+
+
+def record_applied(engine, names):
+    """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
+    apply = engine.llm.apply_model
+    engine.llm.apply_model = lambda fn: (names.append(fn.__name__), apply(fn))[1]
+
+
+def check_expert_adapters(cfg, engine, model_dir, device, prompts, ids, params, seed, result):
+    """Sync a trainer with adapters on the routed experts too (only those perturbed) into an engine that holds the
+    LoRA trainer's weights, as a resync after an update, and record what it sent and the log-prob gaps after it."""
+    cfg.actor.lora_target_modules = [*cfg.actor.lora_target_modules, lora.EXPERTS]
+    model = models.load_model(model_dir, device, "sdpa")
+    lora.add_lora(model, lora.lora_config(cfg.actor))
+    lora.init_lora(model)
+    perturb_adapters(model, 789, experts_only=True)
+    models.apply_fsdp(model, device)
+    models.root_forward(model, ids[0])
+    model.eval()
+    text, image = prompts
+    before = engine.generate(image, 2, params, seed=seed)
+    result["experts/over_before_sync"] = max_logprob_diff(model, image, before, ids, 1.0, over=0.05)
+    synced, applied = [], []
+    record_synced_names(engine, synced)
+    record_applied(engine, applied)
+    engine.sync_weights(model)
+    result["experts/resynced"], result["experts/applied"] = synced, applied
+    for kind, batch in (("text", text), ("image", image)):
+        samples = engine.generate(batch, 4, params, seed=seed)
+        result[f"experts/diff_{kind}"] = max_logprob_diff(model, batch, samples, ids, 1.0)
+        result[f"experts/over_{kind}"] = max_logprob_diff(model, batch, samples, ids, 1.0, over=0.05)
 
 
 def main():
@@ -170,10 +206,11 @@ def main():
     result["synced_fused_experts"] = sum(bool(moe.EXPERT_PARAM.match(n)) for n in first)
     if with_lora:  # an update changes the adapters; the next sync resends only what they touch
         perturb_adapters(model, 456)
-        synced = []
+        synced, applied = [], []
         record_synced_names(engine, synced)
+        record_applied(engine, applied)
         engine.sync_weights(model)
-        result["resynced"] = synced
+        result["resynced"], result["resync_applied"] = list(synced), list(applied)  # (the wrappers stay on)
     seed = 1000 + rank  # what the loop passes: a different stream per rank
     text_samples = engine.generate(text, 4, params, seed=seed)
     image_samples = engine.generate(image, 4, params, seed=seed)
@@ -208,6 +245,8 @@ def main():
     bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
     result["vision_tokens_unbiased"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
     engine.logit_bias = bias
+    if with_lora and models.family(model).moe:
+        check_expert_adapters(cfg, engine, model_dir, device, (text, image), ids, params, seed, result)
     engine.sleep()
 
     os.makedirs(out_dir, exist_ok=True)
