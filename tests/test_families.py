@@ -3,6 +3,7 @@ the same loading, packing and shared-prefix code, each held to a reference compu
 own family (real config, processor and tokenizer classes, scripts/make_tiny_model.py --family)."""
 
 import json
+import math
 import os
 import shutil
 
@@ -338,6 +339,8 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     first, last = first_and_last(rows)
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
+    # the engine/trainer mismatch of the image prompts is logged per modality for every family, MoE included
+    assert all(math.isfinite(r["rollout/mismatch_kl/image"]) for r in rows)
     aux = [r.get("actor/router_aux_loss") for r in rows]
     print(f"{family}: actor/router_aux_loss {aux}")
     assert all(0.5 < x <= 4.0 for x in aux) if balance else aux == [None] * len(rows), aux
