@@ -910,7 +910,7 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
 # Running sums (and maxima) update_policy keeps over one step's optimizer steps and micro-batches
 UPDATE_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
                 "actor/optimizer_steps", "actor/micro_batches", "actor/moved_sequences", *mismatch.STATS)  # fmt: skip
-# of them, those that are each rank's share of a global mean (summed over ranks); with experts' balance, its loss too
+# those that are each rank's share of a global mean (summed over ranks): four of them, and the experts' balance loss
 SHARED_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/router_aux_loss")
 
 
@@ -982,7 +982,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
         "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
     }
     metrics = mean_over_ranks(sums, dict.fromkeys(sums, len(samples)))
-    # pg_loss, kl, entropy and clip_frac are already global shares on each rank: sum them over ranks
+    # SHARED_STATS are already global shares on each rank: sum them over ranks (the balance loss only where it ran)
     shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
