@@ -77,6 +77,9 @@ class Sample:
     # the tool turns inside response_ids (turns.ToolTurn, in order): context the model did not write, whose tokens
     # carry no log-prob (0 in `logprobs`) and no loss; empty for a plain answer
     turns: list = field(default_factory=list)
+    # leading tokens of response_ids sampled at earlier steps, under older weights (an answer cut short by a partial
+    # rollout and continued now); their `logprobs` are the older policy's, so only the rest measures the engine
+    carried: int = 0
 
     @property
     def model_len(self) -> int:
