@@ -1079,7 +1079,7 @@ def main(argv=None):
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)  # (host memory only)
-    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
+    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
     engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
