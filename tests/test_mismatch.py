@@ -264,9 +264,10 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
     # said once, by rank 0, before torchrun's report of the failed ranks; no rank's traceback or failure line
     lines = log.splitlines()
-    said = [i for i, line in enumerate(lines) if line.startswith("error: engine/trainer mismatch: the image samples")]
+    said = [i for i, line in enumerate(lines) if "engine/trainer mismatch: the image samples" in line]
     torchrun_failure = [i for i, line in enumerate(lines) if re.search(r"failed \(exitcode|ChildFailedError", line)]
     assert len(said) == 1 and torchrun_failure and said[0] < torchrun_failure[0], log[-5000:]
+    assert lines[said[0]].startswith("error: engine/trainer mismatch")
     assert not re.search(rf'File "{re.escape(REPO)}/(?!\.venv/)', log) and "failed in phase" not in log, log[-5000:]
     rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.save_freq=1", steps=1)
     assert rows is not None, log[-3000:]
