@@ -182,8 +182,9 @@ def rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-PRE_GROUP_WAIT_S = 10.0  # how long the ranks but rank 0 wait for it before a process group exists: their start-ups
-# (imports, the config's checks) run side by side and differ by seconds at most
+# How long the ranks but rank 0 wait for it to say a stop before a process group exists: their start-ups (imports,
+# the config's checks) run side by side and differ by seconds at most.
+PRE_GROUP_WAIT_S = 10.0
 
 
 def report_stop(message: str, every_rank: bool = True):
@@ -215,9 +216,10 @@ def run_rank(main):
     except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise  # sys.exit(n): an exit code, not a message
-        if _verbose:
+        every_rank = getattr(stop, "every_rank", True)
+        if _verbose and (rank() == 0 or not every_rank):
             traceback.print_exc()
-        report_stop(stop.code, getattr(stop, "every_rank", True))
+        report_stop(stop.code, every_rank)
         code = getattr(stop, "exit_code", 1)
     exit_rank(code)
 
