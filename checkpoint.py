@@ -33,7 +33,7 @@ import torch.distributed as dist
 import moe
 from lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
 from models import load_model, reshard
-from runtime import phase, print0, resolve_path
+from runtime import Stop, phase, print0, resolve_path
 
 
 def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
@@ -91,14 +91,14 @@ def _raise_if_save_failed(error, step, output_dir, tmp):
     if not failed:
         return
     if dist.get_rank() != 0:
-        raise SystemExit(1)
+        raise Stop("a rank's part of a save failed")  # (said by rank 0)
     shutil.rmtree(tmp, ignore_errors=True)
     complete, _ = list_checkpoints(output_dir)
     last = f"the last complete checkpoint, {complete[-1][1]}, is intact" if complete else "no checkpoint is complete"
     (rank, (what, _)), disk_full = failed[0], any(full for _, (_, full) in failed)
     cause = "no space left on device" if disk_full else f"rank {rank}: {what}"
     advice = "free space there (or lower trainer.save_limit), then " if disk_full else ""
-    raise SystemExit(f"error: saving the checkpoint of step {step} to {tmp} failed ({cause}); {last}. {advice}"
+    raise Stop(f"error: saving the checkpoint of step {step} to {tmp} failed ({cause}); {last}. {advice}"
                      "rerun the same command to resume from the last complete checkpoint")  # fmt: skip
 
 
@@ -177,7 +177,7 @@ def find_resume_checkpoint(output_dir, resume):
             choice[1] = str(e)
     dist.broadcast_object_list(choice, src=0)
     if choice[1]:
-        raise SystemExit(choice[1] if dist.get_rank() == 0 else 1)
+        raise Stop(f"error: {choice[1]}")
     return choice[0]
 
 

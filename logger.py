@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import uuid
 
 LOGGERS = {"console": None, "jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # name -> package needed
 
@@ -45,23 +46,43 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        if enabled and "wandb" in loggers:
-            import wandb  # WANDB_MODE=offline writes the run under <output_dir>/wandb, for a later `wandb sync`
-
-            self.wandb = wandb.init(
-                project=cfg.trainer.wandb_project if cfg else "grpo-vl",
-                name=os.path.basename(os.path.abspath(output_dir)),
-                dir=output_dir,
-                config=dataclasses.asdict(cfg) if cfg else None,
-            )
+        # wandb starts once the run knows whether it continues an earlier one (drop_steps_after), or at the first log
+        self.wandb_pending, self.output_dir, self.cfg = enabled and "wandb" in loggers, output_dir, cfg
         # a bar with the run's ETA only on a terminal: in a log file its redraws would be noise
         self.use_bar = enabled and self.console and sys.stdout.isatty()
 
+    def start_wandb(self, resumed: bool):
+        """One wandb run for a run and all its resumes: its id is kept in <output_dir>/wandb_id, and a resumed run (a
+        requeued Slurm job, a rerun after a crash) continues it, so the curves are not split at every preemption. A
+        fresh start in the same output_dir (no checkpoint, or trainer.resume=none) begins a new wandb run, as it
+        begins a new metrics.jsonl. wandb drops what a resume logs at steps its run already has (those a crash made
+        the run repeat): they keep the values first logged."""
+        import wandb  # WANDB_MODE=offline writes the run under <output_dir>/wandb, for a later `wandb sync`
+
+        self.wandb_pending = False
+        id_file = os.path.join(self.output_dir, "wandb_id")
+        run_id = open(id_file).read().strip() if resumed and os.path.exists(id_file) else None
+        if not run_id:
+            run_id = uuid.uuid4().hex[:16]
+            with open(id_file, "w") as f:
+                f.write(run_id + "\n")
+        self.wandb = wandb.init(
+            project=self.cfg.trainer.wandb_project if self.cfg else "grpo-vl",
+            name=os.path.basename(os.path.abspath(self.output_dir)),
+            dir=self.output_dir,
+            config=dataclasses.asdict(self.cfg) if self.cfg else None,
+            id=run_id,
+            resume="allow",  # continue the run of that id if wandb has it, else create it
+        )
+
     def drop_steps_after(self, step):
         """A resumed run reruns the steps after its checkpoint: drop their old lines, so the files read like one
-        uninterrupted run. Truncating in place is safe: the files are appended to, and appends go to their end."""
+        uninterrupted run. Truncating in place is safe: the files are appended to, and appends go to their end.
+        step -1: a fresh start, not a resume."""
         if not self.enabled:
             return
+        if self.wandb_pending:
+            self.start_wandb(resumed=step >= 0)
         for path in (self.file.name, self.samples_path):
             if not os.path.exists(path):
                 continue
@@ -98,6 +119,8 @@ class MetricsLogger:
     def log(self, step, metrics):
         if not self.enabled:
             return
+        if self.wandb_pending:
+            self.start_wandb(resumed=False)
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         if self.pending_samples:

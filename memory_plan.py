@@ -699,7 +699,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
                    else (0, 0))),
     )  # fmt: skip
     keys = {"train_tokens": train[0], "nograd_tokens": nograd[0]}
-    # a job over its --mem is killed by the cgroup without a traceback (REFERENCE.md section 7); Slurm says it in MB
+    # a job over its --mem is killed by the cgroup without a traceback (docs/memory.md); Slurm says it in MB
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
     return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit)

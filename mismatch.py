@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from batching import mask_tool_turns
-from runtime import print0
+from runtime import Stop, print0
 
 SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
 MODALITIES = ("text", "image", "video")  # a sample with a video counts as video, one with images as image
@@ -349,8 +349,8 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
            + ", ".join(f"{m} {kl:.2g} / {w:.2g}" for m, kl, w in present) + f"; guard {bound:g}")  # fmt: skip
     for m, kl, w in present:
         if w > bound:
-            raise SystemExit(
-                f"engine/trainer mismatch: the {m} samples of step {step} have a mismatch KL of {w:.3g} for "
+            raise Stop(
+                f"error: engine/trainer mismatch: the {m} samples of step {step} have a mismatch KL of {w:.3g} for "
                 f"their worst prompt ({kl:.3g} over all of them), above algorithm.mismatch_guard={bound:g}, which "
                 f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
                 f"algorithm.mismatch_guard, or 0 turns this check off."

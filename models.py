@@ -83,7 +83,7 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
 OWN_PACKED_ATTENTION = ("auto", "sdpa", "sdpa_packed", "varlen_packed")
 PACKED_ATTENTION = (*OWN_PACKED_ATTENTION, "flash_attention_2", "flash_attention_3")
 # The vision tower passes its per-image (and per-window) bounds to the attention function only when the name of its
-# attention says "flash"; anything else makes it loop over images and windows in Python (REFERENCE.md §7). So on
+# attention says "flash"; anything else makes it loop over images and windows in Python (transformers 5.19). So on
 # CUDA the tower's config names varlen_packed under this second name. It is set on the loaded model, never passed
 # to from_pretrained, which would go looking for a flash-attn build or a hub kernel of that name.
 VISION_VARLEN = "flash_varlen_packed"

@@ -1,6 +1,7 @@
 """The run's surroundings: distributed setup (with the collectives' timeout and the phase a failed rank was in) and a
-rank's exit, rank-0 printing and cross-rank means, the start-up banner (commit, versions, hosts) and device checks,
-paths relative to the repository, and stopping cleanly on a signal.
+rank's exit (an error that stops the run said once, by rank 0), rank-0 printing and cross-rank means, the start-up
+banner (commit, versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a
+signal.
 
 Everything here is small and shared: train_grpo.py, checkpoint.py and the benches import it; it imports none of them.
 """
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -28,12 +30,15 @@ import torch.distributed as dist
 # Distributed: one process per device, started by torchrun or Slurm.
 
 
-def setup_distributed(collective_timeout_s: float = 3600.0):
+def setup_distributed(collective_timeout_s: float = 3600.0, verbose: bool = False):
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a bare `srun python train_grpo.py` gets them from Slurm.
 
     A collective that waits longer than collective_timeout_s (trainer.collective_timeout_s) for a rank fails instead of
     hanging: gloo raises it in the waiting rank, which then exits naming its phase (report_failure); NCCL's watchdog
-    ends the process, and faulthandler prints where each thread was."""
+    ends the process, and faulthandler prints where each thread was. verbose (trainer.verbose): whole tracebacks of
+    Stop and of collectives that lost a rank too."""
+    global _verbose
+    _verbose = verbose
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env:
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
@@ -47,7 +52,7 @@ def setup_distributed(collective_timeout_s: float = 3600.0):
     gpus, driver = visible_nvidia_gpus(), nvidia_driver_version()
     problem = cuda_problem(torch.cuda.is_available(), gpus, driver, torch.version.cuda)
     if problem:  # an 8-GPU node must never quietly train on its CPUs
-        raise SystemExit(f"error: {problem}")
+        raise Stop(f"error: {problem}")
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     sys.excepthook = report_failure(sys.excepthook, collective_timeout_s)
     with contextlib.suppress(AttributeError, OSError):  # (a stderr without a file descriptor: captured in a test)
@@ -63,6 +68,7 @@ def setup_distributed(collective_timeout_s: float = 3600.0):
 
 
 _phase = "start-up"  # what this rank is doing, for the message of a collective that fails
+_verbose = False  # trainer.verbose: the tracebacks that are left out otherwise
 
 
 def phase(name: str) -> float:
@@ -77,8 +83,7 @@ def report_failure(excepthook, timeout_s):
     """sys.excepthook that also says which phase the rank was in, and, for a collective that timed out or lost a
     peer, that another rank stopped taking part: the rank that reports first is rarely the one at fault."""
 
-    def report(kind, error, traceback):
-        excepthook(kind, error, traceback)
+    def report(kind, error, trace):
         text = str(error)
         if "Timed out" in text or "timed out" in text:
             why = (f": a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s for another rank, "
@@ -87,7 +92,11 @@ def report_failure(excepthook, timeout_s):
             why = ": another rank left a collective (it died: see its output)"
         else:
             why = ""
-        print(f"rank {os.environ.get('RANK', '?')}: failed in phase '{_phase}'{why}", file=sys.stderr, flush=True)
+        # a rank that lost a peer says so in one line: the cause, with its traceback, is in the output of the peer
+        if not why or _verbose:
+            excepthook(kind, error, trace)
+        last = f" ({kind.__name__}: {text.splitlines()[0][:200]})" if why and text else ""
+        print(f"rank {os.environ.get('RANK', '?')}: failed in phase '{_phase}'{why}{last}", file=sys.stderr, flush=True)
 
     return report
 
@@ -98,10 +107,11 @@ def cuda_index(local_rank: int, device_count: int) -> int:
     if device_count == 1:
         return 0
     if local_rank >= device_count:
-        raise SystemExit(
+        raise Stop(
             f"error: this is local rank {local_rank} but it sees {device_count} GPUs "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most {device_count} "
-            "ranks per node, or give each rank exactly one GPU"
+            "ranks per node, or give each rank exactly one GPU",
+            every_rank=False,
         )
     return local_rank
 
@@ -150,6 +160,70 @@ def cuda_problem(cuda_available: bool, n_gpus: int, driver: str | None, torch_cu
     )
 
 
+class Stop(SystemExit):
+    """An error that ends the run with one line a user can act on: a config error, a check at start, the start
+    guard, a failed save. Raised by every rank at the same point (every_rank, the default: the same check on the
+    same data, or a decision the ranks agreed on in a collective), it is printed once, by rank 0, as is (begin the
+    message with "error: "): 16 ranks that all print their own traceback and line bury it under 16 copies. A
+    condition of one rank alone (its GPU is busy) is raised with every_rank=False and printed by that rank.
+
+    A SystemExit, so that no `except Exception` on the way up takes it for a fault to survive; uncaught (a script
+    that does not end through run_rank), Python prints the message and exits 1."""
+
+    def __init__(self, message: str, code: int = 1, every_rank: bool = True):
+        super().__init__(message)
+        self.message, self.exit_code, self.every_rank = message, code, every_rank
+
+
+def rank() -> int:
+    """This process's rank: the process group's, or before it forms, the launcher's (RANK or SLURM_PROCID)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+# How long the ranks but rank 0 wait for it to say a stop before a process group exists: their start-ups (imports,
+# the config's checks) run side by side and differ by seconds at most.
+PRE_GROUP_WAIT_S = 10.0
+
+
+def report_stop(message: str, every_rank: bool = True):
+    """Print a run-ending message once: by rank 0 when every rank stops alike, else by this rank, its rank named.
+
+    The other ranks let rank 0 end first: torchrun ends all ranks as soon as one exits (SIGTERM), and a rank 0 still
+    on its way to the same check would die without a word. With a process group they wait until rank 0 has printed
+    (a key in the group's store); before one forms, for a few seconds (torchrun ends them once rank 0 has exited)."""
+    if not every_rank:
+        print(f"rank {rank()}: {message}", file=sys.stderr, flush=True)
+    elif rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.distributed_c10d._get_default_store().set("stop_reported", "1")
+    elif dist.is_initialized():
+        with contextlib.suppress(Exception):  # (rank 0 gone, or stopping otherwise: nothing left to wait for)
+            dist.distributed_c10d._get_default_store().wait(["stop_reported"], datetime.timedelta(seconds=60))
+    else:
+        time.sleep(PRE_GROUP_WAIT_S)
+
+
+def run_rank(main):
+    """A rank's whole life: `exit_rank(main())`, with a Stop said once (report_stop) and ended with its code, no
+    traceback (trainer.verbose adds one). A SystemExit with a message counts as a Stop of every rank. Any other
+    exception is a fault of the code or a library and ends the rank through sys.excepthook (report_failure), with
+    its traceback and the phase the rank was in."""
+    try:
+        code = main()
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise  # sys.exit(n): an exit code, not a message
+        every_rank = getattr(stop, "every_rank", True)
+        if _verbose and (rank() == 0 or not every_rank):
+            traceback.print_exc()
+        report_stop(stop.code, every_rank)
+        code = getattr(stop, "exit_code", 1)
+    exit_rank(code)
+
+
 def exit_rank(code: int):
     """End this process with `code`, skipping only the interpreter's own teardown: Python's exit handlers run, the
     standard streams are flushed, and C's exit() then runs the libraries' teardown (vLLM's CPU build unlinks its
@@ -168,7 +242,7 @@ def exit_rank(code: int):
 
 
 def print0(*args, **kwargs):
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank() == 0:  # (before the process group forms too: one config error printed, not one a rank)
         print(*args, **kwargs, flush=True)
 
 
@@ -285,10 +359,11 @@ def check_gpu_memory(cfg, device):
         return
     free, total = torch.cuda.mem_get_info(device)
     if free < cfg.rollout.gpu_memory_utilization * total:
-        raise SystemExit(
-            f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
+        raise Stop(
+            f"error: rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
             f"{cfg.rollout.gpu_memory_utilization * total / 2**30:.1f} GiB of {device} on {socket.gethostname()}, "
-            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU"
+            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU",
+            every_rank=False,
         )
 
 

@@ -71,13 +71,14 @@ from optim import config_problem, make_optimizer
 from runtime import (
     StopSignal,
     check_gpu_memory,
-    exit_rank,
     max_over_ranks,
     mean_over_ranks,
     phase,
     print0,
     print_banner,
+    report_stop,
     resolve_path,
+    run_rank,
     setup_distributed,
 )
 
@@ -940,10 +941,8 @@ def load_datasets(cfg, processor, rank, world):
     sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
     steps_per_epoch = len(sampler.indices(0)) // (d.rollout_batch_size // world)
     if steps_per_epoch == 0:
-        raise SystemExit(
-            f"{len(train_set)} train prompts are fewer than one rollout batch "
-            f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data"
-        )
+        raise SystemExit(f"error: {len(train_set)} train prompts are fewer than one rollout batch "
+                         f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data")  # fmt: skip
     total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
     images, videos = rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])  # before the engine starts
     print0(f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, {train_set.n_overlong} longer "
@@ -1054,12 +1053,12 @@ def main(argv=None):
         check_paths(cfg)
         plan = check_memory(cfg, world, dry_run)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        report_stop(f"config error: {e}")  # once, by rank 0
         return 2
     if dry_run:
         return 0
 
-    rank, world, device = setup_distributed(cfg.trainer.collective_timeout_s)
+    rank, world, device = setup_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.verbose)
     torch.manual_seed(cfg.trainer.seed)
     os.makedirs(cfg.trainer.output_dir, exist_ok=True)
     if rank == 0:
@@ -1079,7 +1078,7 @@ def main(argv=None):
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)  # (host memory only)
-    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective (REFERENCE §4)
+    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
     engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
     fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
@@ -1195,4 +1194,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    run_rank(main)

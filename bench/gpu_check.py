@@ -29,7 +29,7 @@ and how fast is it?
    (bf16, after a weight sync), separately for text prompts and for image prompts.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
-of a step / step seconds, the definition of REFERENCE.md section 1), model FLOPs utilisation of the training phases,
+of a step / step seconds, as EasyR1 counts it: docs/performance.md), model FLOPs utilisation of the training phases,
 peak GPU memory against the plan's, and the agreements. Needs torch >= 2.11, transformers 5.17-5.19, torchvision,
 safetensors, pillow, pyyaml, jinja2, pyarrow (and peft + accelerate for --lora); vLLM and the geo3k graders are
 optional, and nothing is downloaded. With --family qwen3_5 the model has Qwen3.5-9B's shape instead (LoRA only: its

@@ -49,4 +49,4 @@ if __name__ == "__main__":
     fault, argv = sys.argv[1], sys.argv[2:]
     if fault != "none":
         rollout.ENGINES = {name: faulty(cls, fault) for name, cls in rollout.ENGINES.items()}
-    runtime.exit_rank(train_grpo.main(argv))
+    runtime.run_rank(lambda: train_grpo.main(argv))

@@ -176,15 +176,19 @@ def test_resume_from_a_checkpoint_of_the_format_before(tiny_model_dir, uninterru
 
 def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     """Guards against a stop signal killing the run mid-step, losing the steps since the last save, or ranks
-    disagreeing on the step to stop at (a hang)."""
+    disagreeing on the step to stop at (a hang); and against the rerun of a preempted job (Slurm's requeue) starting
+    a new wandb run instead of continuing the stopped one (wandb: a stand-in with wandb.init's signature)."""
     from scripts.make_synthetic_data import make_geo3k_like
+    from tests.test_logging import wandb_records
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
     out = tmp_path / "signalled"
     # default reward settings: the grading worker processes must survive the signal torchrun sends the rank's group
-    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=50", "trainer.save_freq=100")
+    logger = "trainer.logger=[console,jsonl,wandb]"
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=50", "trainer.save_freq=100", logger)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    standin = os.path.join(REPO, "tests", "wandb_standin")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([standin, REPO])}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -201,6 +205,17 @@ def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):
     assert checkpoints(out) == [f"step_{step}"]
     assert checkpoint.is_complete_checkpoint(str(out / "checkpoints" / f"step_{step}"))
     assert [r["step"] for r in metrics(out)] == list(range(1, step + 1))
+
+    # the rerun (a requeued job runs the same command) resumes, and logs its step to the same wandb run
+    args[args.index("trainer.max_steps=50")] = f"trainer.max_steps={step + 1}"
+    rerun = subprocess.run(cmd[:5] + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0 and f"resumed from {out / 'checkpoints' / f'step_{step}'}" in rerun.stdout, (
+        rerun.stdout[-2000:] + rerun.stderr[-3000:])  # fmt: skip
+    records = wandb_records(out)
+    inits = [r for r in records if r["call"] == "init"]
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"] and inits[1]["resume"] == "allow"
+    assert [r["step"] for r in records if r["call"] == "log"] == list(range(1, step + 2))
+    assert [r["step"] for r in metrics(out)] == list(range(1, step + 2))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -102,6 +102,43 @@ def test_wandb_gets_every_metric_with_its_step(tmp_path, monkeypatch):
     assert calls[1:] == [("log", 1, STEPS[1]), ("log", 2, STEPS[2]), ("finish",)]
 
 
+def wandb_standin():
+    """tests/wandb_standin: wandb.init's exact signature, recording to <dir>/wandb-standin.jsonl."""
+    spec = importlib.util.spec_from_file_location("wandb", os.path.join(REPO, "tests/wandb_standin/wandb/__init__.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def wandb_records(output_dir):
+    return [json.loads(line) for line in open(os.path.join(output_dir, "wandb-standin.jsonl"))]
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Guards against a resumed run (a requeued Slurm job) starting a new wandb run, which splits the curves at every
+    preemption, and against a fresh start in an old output_dir continuing the old run."""
+    monkeypatch.setitem(sys.modules, "wandb", wandb_standin())
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}"])
+
+    def launch(resumed_at, steps):
+        logger = MetricsLogger(str(tmp_path), 4, ["wandb"], enabled=True, cfg=cfg)
+        logger.drop_steps_after(resumed_at)  # -1: no checkpoint to resume
+        for step in steps:
+            logger.log(step, {"reward/overall": step / 10})
+        logger.close()
+
+    launch(-1, [1, 2, 3])  # stopped after step 3, its checkpoint at step 2
+    launch(2, [3, 4])  # resumed: step 3 again, then 4
+    launch(-1, [1])  # a fresh start into the same output_dir
+    records = wandb_records(tmp_path)
+    inits = [r for r in records if r["call"] == "init"]
+    first, fresh = inits[0]["id"], inits[2]["id"]
+    assert inits[1]["id"] == first != fresh and {r["resume"] for r in inits} == {"allow"}
+    logged = [(r["id"], r["step"]) for r in records if r["call"] == "log"]
+    assert logged == [(first, 1), (first, 2), (first, 3), (first, 4), (fresh, 1)]
+    assert (tmp_path / "wandb_id").read_text().strip() == fresh
+
+
 def test_wandb_logger_without_wandb_fails_at_config_check(monkeypatch):
     """Guards against a run that loads models for minutes and then dies on `import wandb`."""
     real_find_spec = importlib.util.find_spec

@@ -461,7 +461,7 @@ def test_each_lever_is_named(overrides, advice):
 
 def test_slurm_mem_below_the_host_plan_stops(monkeypatch):
     """Guards against eight ranks loading into a Slurm job whose --mem cannot hold them: the cgroup kills the job
-    without a traceback (REFERENCE.md section 7)."""
+    without a traceback (docs/memory.md)."""
     monkeypatch.setenv("SLURM_MEM_PER_NODE", str(100 * 1024))  # MB: 100 GiB, under the 7B's 116.2
     problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE), 8))
     assert "over the 100.0 GiB this Slurm job may use (--mem)" in problem and "rollout.sleep_level=2" in problem

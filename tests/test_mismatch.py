@@ -3,12 +3,14 @@ per-modality measure, the config checks, and under torchrun the start guard and 
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
 import train_grpo
 from mismatch import STATS, _gap_metrics, measure, modality, parse_rs_thresholds
+from tests.launch import REPO
 
 E = math.exp
 
@@ -241,8 +243,10 @@ def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
            f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out}",
            f"trainer.max_steps={steps}", *overrides]  # fmt: skip
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
+    # one stream, as a terminal or Slurm's log shows it, so that the order of the ranks' and torchrun's lines holds
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)  # fmt: skip
+    log = proc.stdout
     if proc.returncode:
         return None, log
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], log
@@ -258,6 +262,13 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert rows is None, log[-3000:]
     assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
     assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
+    # said once, by rank 0, before torchrun's report of the failed ranks; no rank's traceback or failure line
+    lines = log.splitlines()
+    said = [i for i, line in enumerate(lines) if "engine/trainer mismatch: the image samples" in line]
+    torchrun_failure = [i for i, line in enumerate(lines) if re.search(r"failed \(exitcode|ChildFailedError", line)]
+    assert len(said) == 1 and torchrun_failure and said[0] < torchrun_failure[0], log[-5000:]
+    assert lines[said[0]].startswith("error: engine/trainer mismatch")
+    assert not re.search(rf'File "{re.escape(REPO)}/(?!\.venv/)', log) and "failed in phase" not in log, log[-5000:]
     rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.save_freq=1", steps=1)
     assert rows is not None, log[-3000:]
     (row,) = rows

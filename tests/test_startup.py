@@ -196,3 +196,59 @@ def test_exit_rank_keeps_the_exit_code_handlers_and_output():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "c stdio" in proc.stdout and proc.stdout.replace("c stdio", "") == "buffered\nhandler\n"  # two buffers
+
+
+def test_a_stop_is_said_once_by_rank_0_without_a_traceback(monkeypatch, capsys):
+    """Guards against the line that says why a run stopped being printed by every rank (16 copies on 2 nodes, each
+    with a traceback) or by none: rank 0 prints a Stop as is, the other ranks nothing; a stop of one rank alone names
+    that rank; a SystemExit with a message counts as a Stop; exit codes are kept, and faults are left to the
+    excepthook. (The 2-rank launch is in tests/test_mismatch.py: the start guard's stop.)"""
+    codes = []
+
+    class Exited(Exception):
+        pass
+
+    def exit_rank(code):
+        codes.append(code)
+        raise Exited
+
+    monkeypatch.setattr(runtime, "exit_rank", exit_rank)
+    monkeypatch.setattr(runtime, "PRE_GROUP_WAIT_S", 0.0)
+
+    def run(rank, error):
+        monkeypatch.setenv("RANK", str(rank))
+
+        def main():
+            raise error
+
+        with pytest.raises(Exited):
+            runtime.run_rank(main)
+        return codes[-1], capsys.readouterr().err
+
+    assert run(0, runtime.Stop("error: change x", code=3)) == (3, "error: change x\n")
+    assert run(1, runtime.Stop("error: change x", code=3)) == (3, "")
+    assert run(1, runtime.Stop("error: my GPU is busy", every_rank=False)) == (1, "rank 1: error: my GPU is busy\n")
+    assert run(0, SystemExit("error: a plain one")) == (1, "error: a plain one\n")
+    assert run(1, SystemExit("error: a plain one")) == (1, "")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_code:
+        runtime.run_rank(lambda: sys.exit(4))
+    with pytest.raises(ValueError):
+        runtime.run_rank(lambda: int("a bug"))
+    assert exit_code.value.code == 4 and len(codes) == 5
+
+
+def test_a_rank_that_lost_a_peer_says_so_in_one_line(monkeypatch, capsys):
+    """Guards against every surviving rank burying the failed rank's traceback under its own (the collective it
+    waited in: no news), while a fault of the rank itself must keep its whole traceback."""
+    seen = []
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(runtime, "_verbose", False)
+    monkeypatch.setattr(runtime, "_phase", "start-up")
+    report = runtime.report_failure(lambda *exc: seen.append(exc[0]), 20)
+    report(RuntimeError, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234\nmore"), None)
+    line = "rank 1: failed in phase 'start-up': another rank left a collective (it died: see its output) "
+    assert capsys.readouterr().err == line + "(RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234)\n"
+    assert seen == []
+    report(ValueError, ValueError("a bug"), None)
+    assert seen == [ValueError] and capsys.readouterr().err == "rank 1: failed in phase 'start-up'\n"
