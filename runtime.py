@@ -54,6 +54,9 @@ def setup_distributed(collective_timeout_s: float = 3600.0):
         faulthandler.enable()  # a fatal signal (NCCL's watchdog aborts on a timeout) prints each thread's Python stack
     if torch.cuda.is_available():
         device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        # vLLM's external_launcher takes its device from LOCAL_RANK (cuda:LOCAL_RANK, 0.26 to 0.33), which under srun
+        # is the task's place on the node: one GPU bound per task would make every task but the first fail there
+        env["LOCAL_RANK"] = str(device.index)
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
     else:
