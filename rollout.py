@@ -291,6 +291,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_cuda = torch.cuda.is_available()
         vllm_compat.sampler_environment(on_cuda)
+        vllm_compat.model_runner_environment()  # the runner the CPU tests run, on CUDA too
         quiet = quiet_logs(cfg.trainer.verbose)
         from vllm import LLM
 

@@ -82,6 +82,73 @@ def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
         assert __import__("os").environ.get("VLLM_USE_FLASHINFER_SAMPLER") == want, (installed, on_cuda, user)
 
 
+def v2_runner_033(env) -> bool:
+    """vLLM 0.33.0's VllmConfig.use_v2_model_runner for the trainer's engines (no HiSparse, no watermarking, no
+    speculative decoding or pipeline parallelism: nothing V2 lacks), on CUDA with Triton: VLLM_USE_V2_MODEL_RUNNER
+    when set (envs.maybe_convert_bool), else V2."""
+    value = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    return bool(int(value)) if value is not None else True
+
+
+def v2_runner_026(env, architecture: str, moe: bool, hybrid: bool) -> bool:
+    """vLLM 0.26.0's, the same engines on CUDA with Triton: the variable when set, else V2 only for a generative model
+    that is not hybrid and not MoE (unless its architecture is in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES)."""
+    value = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value is not None:
+        return bool(int(value))
+    listed = {"DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "InklingForCausalLM",
+              "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM", "Qwen2MoeForCausalLM"}  # fmt: skip
+    return not hybrid and (architecture in listed or not moe)
+
+
+# the families' engines as vLLM 0.26 classifies them: (architecture, MoE, hybrid)
+FAMILY_RUNNER_INPUTS = {
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", False, False),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", False, False),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", False, True),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True, False),
+}
+
+
+@pytest.mark.parametrize("user", [None, "0", "1"])
+def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_model_dir, user):
+    """Guards against the first GPU run taking Model Runner V2, which no test here has run (vLLM 0.33 takes it on CUDA
+    whenever Triton imports, 0.26 for the dense families only; the CPU builds run V1), and against overriding a user
+    who chose a runner. VLLMEngine is started as on a CUDA node, with a stand-in LLM that reads the environment as
+    vLLM 0.26's and 0.33's config does when the engine is built."""
+    import torch
+    import torch.distributed as dist
+    import vllm
+
+    import rollout
+    import train_grpo
+
+    class Built(Exception):
+        pass
+
+    def llm(**kwargs):
+        raise Built({"0.33": v2_runner_033(os.environ)} | {
+            f"0.26 {family}": v2_runner_026(os.environ, *inputs) for family, inputs in FAMILY_RUNNER_INPUTS.items()
+        })  # fmt: skip
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the engine sets stays in this test
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if user is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = user
+    monkeypatch.setattr(vllm, "LLM", llm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={tiny_model_dir}",
+                                        "rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0",
+                                        "trainer.verbose=true"])  # fmt: skip
+    from transformers import AutoProcessor
+
+    with pytest.raises(Built) as built:
+        rollout.VLLMEngine(cfg, AutoProcessor.from_pretrained(tiny_model_dir))
+    v2 = user == "1"  # the user's choice, else V1 in every version and family
+    assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
+
+
 def test_noise_filter_knows_each_versions_logger(monkeypatch):
     """Guards against the weight sync's "Following weights were not loaded" lines (every sync with LoRA) flooding the
     log on vLLM 0.26, which logs them from the model runner, not from the reload module as 0.32/0.33 do."""
