@@ -170,6 +170,18 @@ def exit_rank(code: int):
     ctypes.PyDLL(None).exit(code)  # PyDLL: the call keeps the GIL
 
 
+def shut_down(engine) -> None:
+    """End the run's distributed part: every rank, at the same point, after the trainer's last collective. The rollout
+    engine goes first, then the process group. vLLM's in-process engine shares the default group (external_launcher)
+    and holds process groups, NCCL communicators and CuMemAllocator pools of its own; left alive past
+    destroy_process_group, they are torn down at exit by exit hooks and static destructors after what they depend on
+    is gone, which can abort a run that finished (torchrun then reports a failure). Every rank must call it."""
+    dist.barrier()  # every rank is past the trainer's collectives: the engine's teardown may use the groups
+    engine.close()
+    if dist.is_initialized():  # (vLLM's teardown ends by destroying the default group itself)
+        dist.destroy_process_group()
+
+
 def print0(*args, **kwargs):
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)

@@ -79,6 +79,7 @@ from runtime import (
     print_banner,
     resolve_path,
     setup_distributed,
+    shut_down,
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1189,8 +1190,7 @@ def main(argv=None):
         print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     logger.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down(engine)  # the engine, then the process group
     return 128 + stop_signum if stop_signum else 0
 
 

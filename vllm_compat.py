@@ -36,6 +36,17 @@ def skip_engine_teardown(llm) -> None:
         finalizer.detach()
 
 
+def shut_down(llm) -> None:
+    """Tear the in-process engine down as vLLM tears down its own engine processes, the same in 0.26 and 0.33:
+    EngineCore.shutdown() shuts the worker down (its model and KV cache dropped, its CuMemAllocator pools released,
+    so the allocator's exit hook finds nothing left), then the scheduler, then cleanup_dist_env_and_memory: vLLM's
+    groups and their communicators (destroy_model_parallel), its world group, and last
+    torch.distributed.destroy_process_group() of the default group, the one external_launcher shares with the
+    trainer. It is called on the EngineCore itself: the 0.32/0.33 client's shutdown() runs it only while the finalizer
+    that skip_engine_teardown detached is still attached."""
+    llm.llm_engine.engine_core.engine_core.shutdown()
+
+
 def forget_cpu_moe_kernels(model) -> int:
     """Make the next weight reload set up every MoE layer's kernel as the first load did; returns how many there are.
     Run on the engine's model (LLM.apply_model) before each sync, on CPU only. vLLM 0.32 re-runs an MoE layer's weight

@@ -82,6 +82,76 @@ def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
         assert __import__("os").environ.get("VLLM_USE_FLASHINFER_SAMPLER") == want, (installed, on_cuda, user)
 
 
+@pytest.mark.parametrize("client", ["0.26", "0.33"])
+@pytest.mark.parametrize("engine_kind", ["vllm asleep", "vllm awake", "hf"])
+def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engine_kind):
+    """Guards against the end of a run leaving vLLM's engine to exit hooks: its groups, NCCL communicators and
+    CuMemAllocator pools were torn down after destroy_process_group (an abort of a run that succeeded), and a
+    sleeping engine's memory freed unmapped (a CUDA error per allocation). runtime.shut_down with stand-ins of vLLM's
+    in-process clients (0.26: shutdown() calls EngineCore.shutdown(); 0.33: only while its finalizer is attached,
+    and skip_engine_teardown detached it at start) and of EngineCore.shutdown (worker, then vLLM's groups, then
+    destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both)."""
+    import torch.distributed as dist
+
+    import rollout
+    import runtime
+
+    events, group = [], {"up": True}
+
+    def destroy_process_group():
+        if not group["up"]:
+            raise AssertionError("Process group cannot be None")  # torch's second destroy
+        group["up"] = False
+        events.append("process group destroyed")
+
+    class EngineCore:
+        def shutdown(self):
+            events.extend(["worker shut down", "vllm groups destroyed"])
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    class InprocClient026:
+        def __init__(self):
+            self.engine_core = EngineCore()
+
+        def shutdown(self):
+            self.engine_core.shutdown()
+
+    class InprocClient033(InprocClient026):
+        def __init__(self):
+            super().__init__()
+            self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+
+        def shutdown(self):
+            if self._finalizer.detach() is not None:
+                self.engine_core.shutdown()
+
+    class LLM:
+        def __init__(self):
+            self.llm_engine = type("LLMEngine", (), {})()
+            self.llm_engine.engine_core = {"0.26": InprocClient026, "0.33": InprocClient033}[client]()
+
+        def wake_up(self, tags):
+            events.append(f"woke {sorted(tags)}")
+
+    monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: group["up"])
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
+    offload = type("Offload", (), {"offload": lambda self, timings: events.append("trainer state to host")})()
+    if engine_kind == "hf":
+        engine = object.__new__(rollout.HFEngine)
+    else:
+        engine = object.__new__(rollout.VLLMEngine)
+        engine.llm, engine.offload, engine.timings = LLM(), offload, dict.fromkeys(["time/wake"], 0.0)
+        engine.asleep = {"weights", "kv_cache"} if engine_kind == "vllm asleep" else set()
+        vllm_compat.skip_engine_teardown(engine.llm)  # as the engine does at start
+    runtime.shut_down(engine)
+    vllm_end = ["worker shut down", "vllm groups destroyed", "process group destroyed"]
+    want = {"hf": ["barrier", "process group destroyed"], "vllm awake": ["barrier", *vllm_end],
+            "vllm asleep": ["barrier", "trainer state to host", "woke ['kv_cache', 'weights']", *vllm_end]}  # fmt: skip
+    assert events == want[engine_kind]
+
+
 def v2_runner_033(env) -> bool:
     """vLLM 0.33.0's VllmConfig.use_v2_model_runner for the trainer's engines (no HiSparse, no watermarking, no
     speculative decoding or pipeline parallelism: nothing V2 lacks), on CUDA with Triton: VLLM_USE_V2_MODEL_RUNNER
