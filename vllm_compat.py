@@ -67,8 +67,8 @@ def forget_cpu_moe_kernels(model) -> int:
 
 def sampler_environment(on_cuda: bool) -> None:
     """vLLM 0.26 and 0.33 both sample with flashinfer on CUDA by default (VLLM_USE_FLASHINFER_SAMPLER) and the
-    sampler's probe raises at engine start when flashinfer is not importable, which is the case with the vLLM 0.26 kit
-    for offline GPU machines (PyPI's vllm 0.33 depends on flashinfer). vLLM's own PyTorch sampler is taken then. A
+    sampler's probe raises at engine start when flashinfer is not importable, which can be the case in an offline
+    install of vLLM 0.26 (PyPI's vllm 0.33 depends on flashinfer). vLLM's own PyTorch sampler is taken then. A
     value the user set wins. Off CUDA the variable is never read."""
     if on_cuda and importlib.util.find_spec("flashinfer") is None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -66,8 +66,8 @@ def test_teardown_is_skipped_where_the_client_has_a_finalizer():
 
 
 def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
-    """Guards against vLLM's sampler probing flashinfer at engine start where it is not installed (the vLLM 0.26 kit
-    for offline GPU machines: the probe raises), and against switching it off where it is there or a user chose."""
+    """Guards against vLLM's sampler probing flashinfer at engine start where it is not installed (an install of
+    vLLM 0.26 without it: the probe raises), and against switching it off where it is there or a user chose."""
     find_spec = importlib.util.find_spec
     for installed, on_cuda, user, want in [(False, True, None, "0"), (True, True, None, None),
                                            (False, False, None, None), (False, True, "1", "1")]:  # fmt: skip
