@@ -81,9 +81,9 @@ def model_runner_environment() -> None:
     (config/vllm.py use_v2_model_runner); 0.26 takes it for dense models only (Qwen2.5-VL, Qwen3-VL) and V1 for the
     hybrid Qwen3.5 and the MoE families; the CPU builds have no Triton and run V1. V2 is a second implementation
     (vllm/v1/worker/gpu/: its own Gumbel-max sampler with hashed per-request seeds, its own logit-bias, log-prob and
-    encoder-cache code) that has never run here. V1 is the runner vLLM's CPU build subclasses, so its sampler
-    (vllm/v1/sample), logit_bias, seeded generators, raw log-probs (logprobs_mode) and encoder-cache reset are what
-    every engine test here checks, token for token against the trainer. V1 takes everything the engine uses on CUDA
+    encoder-cache code) that no CPU test can run (it needs Triton). V1 is the runner vLLM's CPU build subclasses, so
+    its sampler (vllm/v1/sample), logit_bias, seeded generators, raw log-probs (logprobs_mode) and encoder-cache reset
+    are what every engine test checks, token for token against the trainer. V1 takes everything the engine uses on CUDA
     in 0.26 and 0.33 (no pipeline parallelism, no speculative decoding); sleep/wake (the worker's CuMemAllocator)
     and reload_weights(weights_iterator=...) (model_loader/reload, then the encoder caches reset) are the same code
     under either runner. One runner then for every family and version, the one the tests ran."""
