@@ -8,6 +8,7 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
     engine.sleep()                                       # give memory back to training
     engine.timings                                       # seconds of the last wake / weight sync / sleep
+    engine.close()                                       # at the end, before the process group goes (runtime.shut_down)
     engine.offload = offload.TrainerOffload(...)         # optional: the trainer's idle state to host while generating
 
 An engine that has `offload` set moves the trainer's state to host memory when it generates (vLLM: after the weight
@@ -135,6 +136,9 @@ class HFEngine:
     def sleep(self):
         if self.offload is not None:
             self.offload.onload(self.timings)
+
+    def close(self):
+        pass  # nothing of its own: it samples with the trainer's model
 
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
@@ -291,6 +295,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_cuda = torch.cuda.is_available()
         vllm_compat.sampler_environment(on_cuda)
+        vllm_compat.model_runner_environment()  # the runner the CPU tests run, on CUDA too
         quiet = quiet_logs(cfg.trainer.verbose)
         from vllm import LLM
 
@@ -401,6 +406,16 @@ class VLLMEngine:
             self.timings["time/sleep"] = time.perf_counter() - t0
         if self.offload is not None:  # after the KV cache is gone: the trainer's state comes back into its memory
             self.offload.onload(self.timings)
+
+    def close(self):
+        """Shut the engine down (runtime.shut_down: every rank at the same point, while the process groups it uses
+        are alive). A sleeping engine is woken first, the trainer's state offloaded as for a rollout (the memory plan's
+        rollout phase): memory freed while asleep makes vLLM's CuMemAllocator unmap again what sleep unmapped, a
+        CUDA error for each allocation (its free path handles that on ROCm only, vLLM 0.26 to 0.33)."""
+        if self.asleep and self.offload is not None:
+            self.offload.offload(self.timings)
+        self._wake(["weights", "kv_cache"])
+        vllm_compat.shut_down(self.llm)
 
     @torch.no_grad()
     def sync_weights(self, model):

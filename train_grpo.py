@@ -80,6 +80,7 @@ from runtime import (
     resolve_path,
     run_rank,
     setup_distributed,
+    shut_down,
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1188,8 +1189,7 @@ def main(argv=None):
         print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     logger.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down(engine)  # the engine, then the process group
     return 128 + stop_signum if stop_signum else 0
 
 

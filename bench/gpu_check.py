@@ -363,6 +363,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
+    runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
 
 
@@ -497,7 +498,6 @@ def main(argv=None):
         result = engine_vs_trainer(model_dir, data_dir, args.response_tokens, args.enforce_eager)
         with open(os.path.join(data_dir, "engine_vs_trainer.json"), "w") as f:
             json.dump(result, f)
-        __import__("torch.distributed").distributed.destroy_process_group()
         __import__("runtime").exit_rank(0)  # as the trainer's ranks end (gloo's threads may outlive the group)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA GPU (--dry-run does not)")

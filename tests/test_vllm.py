@@ -55,6 +55,15 @@ def test_synced_engine_logprobs_equal_the_trainers(tp1):
         assert rank["diff_video"] <= 0.05, rank["diff_video"]  # the image bound; measured 1.4e-6
 
 
+def test_engine_is_shut_down_before_the_process_group(tp1, tp2):
+    """Guards against a finished run leaving vLLM's engine alive when the process group goes: its groups, NCCL
+    communicators and allocator pools would be torn down by exit hooks and destructors after what they use (a run that
+    succeeded can abort). After runtime.shut_down, as the trainer ends, vLLM's model-parallel groups, its world group
+    and the process group are all gone, at tensor parallel 1 and 2, and every rank exited 0."""
+    for rank in tp1 + tp2:
+        assert rank["after_shut_down"] == [False, False, False]
+
+
 @pytest.fixture(scope="module")
 def lora_tp1(tiny_model_dir, tmp_path_factory):
     return _check(tiny_model_dir, tmp_path_factory, 1, "lora")
