@@ -421,7 +421,8 @@ def watch(stats, alg, step) -> bool:
     if not over:
         stats["mismatch/passed_steps"] += 1
         return True
-    (kl, m), others = over[0], "".join(f"; the {m} samples {kl:.3g}" for kl, m in over[1:])
+    (kl, m), others = over[0], ", ".join(f"the {m} samples {kl:.3g}" for kl, m in over[1:])
+    others = f" ({others})" if others else ""
     figure = (f"the {m} samples of step {step} have a mean mismatch KL of {kl:.3g} over the model's tokens{others}, "
               f"above algorithm.mismatch_guard={alg.mismatch_guard:g}")  # fmt: skip
     if alg.mismatch_action == "skip":
