@@ -235,10 +235,11 @@ def config_problem(alg) -> str | None:
 def _gap(trainer_logp, engine_logp, mask):
     """(|log ratio|, k3) per token, 0 off the mask: x = log(p_trainer / p_engine) clamped to +-20, and the mismatch KL
     term exp(x) - 1 - x, the k3 estimate of KL(engine || trainer) on the engine's samples. In float64: in fp32,
-    exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0."""
-    mask = mask.to(torch.float64)
-    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return x.abs() * mask, (torch.expm1(x) - x) * mask
+    exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0. where() rather than a product: a NaN
+    off the mask (a carried token's old log-prob, padding) stays out."""
+    x = torch.where(mask.bool(), trainer_logp.double() - engine_logp.double(), 0.0)  # (B, T)
+    x = x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return x.abs(), torch.expm1(x) - x
 
 
 def fresh(mask, carried) -> torch.Tensor:
@@ -375,7 +376,8 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens in groups.values():
         i = MODALITIES.index(kind)
-        worst[i] = max(worst[i].item(), kl_sum / max(tokens, 1))
+        kl = kl_sum / max(tokens, 1)
+        worst[i] = max(worst[i].item(), kl if not math.isnan(kl) else math.inf)  # NaN: garbage, past any bound
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     metrics = _gap_metrics(_over_ranks(stats))
     present = [(m, metrics[f"rollout/mismatch_kl/{m}"], w) for m, w in zip(MODALITIES, worst.tolist())
@@ -417,7 +419,8 @@ def watch(stats, alg, step) -> bool:
         return True
     dist.all_reduce(new)
     means = {m: kl / tokens for m, (tokens, kl) in zip(MODALITIES, new.view(-1, 2).tolist()) if tokens > 0}
-    over = sorted(((kl, m) for m, kl in means.items() if kl > alg.mismatch_guard), reverse=True)
+    # NaN (an engine state gone to garbage) counts as past the bound: NaN > bound would be False
+    over = sorted(((kl, m) for m, kl in means.items() if not kl <= alg.mismatch_guard), reverse=True)
     if not over:
         stats["mismatch/passed_steps"] += 1
         return True

@@ -264,6 +264,8 @@ def test_watch_stops_or_skips_a_later_step_past_the_guard_and_leaves_carried_tok
         _watched(cfg(), trainer, far, [0, 0], [[0], [1]])
     with pytest.raises(SystemExit, match="algorithm.mismatch_action=skip"):
         _watched(cfg(), trainer, far, [0, 1], [[0, 1]])  # one token carried: 5.2 a token
+    with pytest.raises(SystemExit, match="mismatch KL of nan"):  # an engine state gone to garbage
+        _watched(cfg(), trainer, [[float("nan")] * 4, trainer[1]], [0, 0], [[0, 1]])
     ok, stats = _watched(cfg("algorithm.mismatch_action=skip"), trainer, far, [0, 0], [[0, 1]])
     assert not ok and stats["mismatch/skipped_steps"] == 1
     assert "warning: the image samples of step 3 have a mean mismatch KL of" in capsys.readouterr().out
@@ -293,6 +295,10 @@ def test_start_guard_leaves_carried_tokens_out(one_rank_group):
     check_start([trainer], [Sample(0, [1, 2, 3, 4], engine, "", False, carried=2)], prompts, 0.01, 2)
     with pytest.raises(SystemExit, match="the text samples of step 2 have a mismatch KL of"):
         check_start([trainer], [Sample(0, [1, 2, 3, 4], engine, "", False, carried=1)], prompts, 0.01, 2)
+    garbage = [float("nan")] * 2 + engine[2:]  # NaN: past any bound on fresh tokens, out of the figure on carried
+    check_start([trainer], [Sample(0, [1, 2, 3, 4], garbage, "", False, carried=2)], prompts, 0.01, 2)
+    with pytest.raises(SystemExit, match="the text samples of step 2 have a mismatch KL of inf"):
+        check_start([trainer], [Sample(0, [1, 2, 3, 4], garbage, "", False, carried=1)], prompts, 0.01, 2)
 
 
 def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
