@@ -125,7 +125,8 @@ class AlgorithmConfig:
     rollout_rs: str = ""  # reject tokens/sequences too far off the engine: comma list of mismatch.RS_MODES; "" = off
     rollout_rs_threshold: str = ""  # one for all modes or one per mode; "lower_upper" ratio bounds for the k1 modes
     rollout_bypass: bool = False  # the engine's log-probs are the old ones: no old-log-prob forward
-    mismatch_guard: float = 0.01  # stop at the first step if a prompt's mismatch KL passes it (mismatch.py); 0 = off
+    mismatch_guard: float = 0.01  # bound on a prompt's mismatch KL at the start, a modality's every step; 0 = off
+    mismatch_action: str = "stop"  # a later step past mismatch_guard: stop, or skip its optimizer steps (mismatch.py)
     online_filtering: bool = False  # DAPO dynamic sampling: drop prompt groups whose mean filter_key is out of bounds
     filter_key: str = "accuracy"  # reward key the filter looks at
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
@@ -783,7 +784,8 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
 
 
-def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
+def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats,
+                  step):  # fmt: skip
     """One pass of PPO updates over the rollout batch: mini-batches of `global_batch_size` prompts, each an
     optimizer step accumulated over micro-batches. `old_logps`/`ref_logps` are per-sample lists (None if unused)."""
     a, world = cfg.actor, dist.get_world_size()
@@ -829,10 +831,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             old = stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
-            engine_logp = stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
-            kinds = [mismatch.modality(prompts[samples[i].prompt_index]) for i in mb]
-            mask, weights = mismatch.measure_and_correct(trainer_logp, engine_logp, mask, kinds, cfg.algorithm, stats)
+            mask, weights = mismatch.measure_and_correct(trainer_logp, mask, prompts, samples, mb, cfg.algorithm, stats)
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
             pg, clipped = policy_loss(
                 logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
@@ -861,10 +861,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             stats["actor/clip_frac"] += ((clipped.float() * mask).sum() / num_tokens).item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
+        if mismatch.watch(stats, cfg.algorithm, step) and torch.isfinite(grad_norm):  # (watch first: collective)
             optimizer.step()
             scheduler.step()
-        else:  # the norm is global, so every rank skips together
+        else:  # the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank skips together
             stats["actor/skipped_steps"] += 1
         optimizer.zero_grad(set_to_none=True)
         stats["actor/grad_norm"] = grad_norm.item()
@@ -1153,7 +1153,7 @@ def main(argv=None):
         stats = dict.fromkeys(UPDATE_STATS, 0.0)
         for _ in range(a.ppo_epochs):
             update_policy(
-                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats
+                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats, step
             )
         timings["time/train"] = time.perf_counter() - t0
         # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
