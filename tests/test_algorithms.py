@@ -172,8 +172,15 @@ class _FakeEngine:
 
 class _FakeScorer:
     n_timeouts = 0  # cumulative, as RewardScorer keeps it
+    call_errors = []  # no grading failures: RewardScorer's failure report has nothing to say
 
-    def score(self, responses, answers):
+    def all_failed(self):
+        return False
+
+    def report_failures(self, step, everywhere, first_rank, rank):
+        assert not everywhere and first_rank is None
+
+    def score(self, responses, answers, rows=None):
         # problems "right" score 1, "wrong" 0, "mixed" alternate: only mixed groups carry a learning signal; a
         # "hang" answer is one whose grading timed out: it scores 0 and counts
         out = []
