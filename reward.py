@@ -298,7 +298,8 @@ def load_reward_fn(spec: str) -> Callable[[str, str], dict]:
         raise ValueError(f"reward spec {spec!r}: importing {path} failed: {_describe(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward spec {spec!r}: {path} has no function {name!r}")
+        own = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
+        raise ValueError(f"reward spec {spec!r}: {path} has no function {name!r} (its functions: {', '.join(own)})")
     return fn
 
 
