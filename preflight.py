@@ -120,8 +120,6 @@ def load_reward(cfg):
 def check_reward(cfg, fn, sample):
     """The reward function grades a sample answer (the sample row's ground truth, boxed) with a valid value."""
     spec, wanted = cfg.reward.reward_fn, keyword_columns(fn)
-    if sample is None and wanted:
-        raise Failed(f"reward.reward_fn={spec!r} asks for the row's columns, and no data sample could be read")
     truth = sample.answer if sample else "1"
     answer = f"<think>a sample answer</think> The answer is \\boxed{{{truth}}}"
     try:
@@ -155,16 +153,18 @@ def dry_run(cfg, world: int) -> int:
         fn, reward_problem = None, e
     datasets = None
     if processor is None:
-        report.append((False, "data", "not checked: it needs the model's processor"))
+        report.append((None, "data", "not checked: it needs the model's processor"))
     else:
         datasets = run("data", check_data, cfg, processor, keyword_columns(fn) if fn else frozenset())
     if fn is None:
         report.append((False, "reward", str(reward_problem)))
+    elif keyword_columns(fn) and not datasets:
+        report.append((None, "reward", "not called: it asks for the row's columns, and no data sample was read"))
     else:
         run("reward", check_reward, cfg, fn, datasets[0].examples[0] if datasets else None)
     report.append((True, "tools", ", ".join(cfg.rollout.tools) or "none (rollout.tools)"))
-    for ok, name, line in report:
-        print(f"{'ok  ' if ok else 'FAIL'}  {name}: {line}", flush=True)
-    failed = sum(not ok for ok, _, _ in report)
-    print(f"dry run: {len(report) - failed} of {len(report)} checks passed", flush=True)
-    return 1 if failed else 0
+    for ok, name, line in report:  # ok: True passed, False failed, None not checked (a check it needs failed)
+        print(f"{ {True: 'ok  ', False: 'FAIL', None: 'skip'}[ok] }  {name}: {line}", flush=True)
+    passed = sum(ok is True for ok, _, _ in report)
+    print(f"dry run: {passed} of {len(report)} checks passed", flush=True)
+    return 0 if passed == len(report) else 1
