@@ -20,7 +20,7 @@ Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml                    # the CPU demo
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml trainer.max_steps=5 rollout.n=4   # overrides
-    python train_grpo.py configs/geo3k.yaml --dry-run         # the per-GPU memory plan, no GPU and no weights needed
+    python train_grpo.py configs/geo3k.yaml --dry-run         # the memory plan, the model, data, reward: no GPU needed
 
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
