@@ -424,13 +424,16 @@ class PromptDataset:
 
     def check_keys(self, rows: list, name: str) -> None:
         """MissingColumn for a configured key no row of the file has (see the module docstring)."""
-        have = sorted({k for row in rows if isinstance(row, dict) for k in row})
+        rows = [row for row in rows if isinstance(row, dict)]
+        have = sorted({k for row in rows for k in row})
         for option in ("prompt_key", "answer_key", "image_key", "video_key"):
             key = getattr(self, option)
-            if any(row_value(row, key) is not None for row in rows if isinstance(row, dict)):
+            if any(row_value(row, key) is not None for row in rows):
                 continue
             if key == DEFAULT_KEYS.get(option):  # text-only data, unless its images are in another column
-                images = [k for k in have if option == "image_key" and looks_like_images(rows[0].get(k))]
+                others = [k for k in have if k not in (self.prompt_key, self.answer_key, self.video_key)]
+                first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in others}
+                images = [k for k in others if option == "image_key" and looks_like_images(first[k])]
                 if not images:
                     continue
                 raise MissingColumn(f"{name}: no row has data.{option}={key!r}, but column {images[0]!r} holds "
