@@ -14,6 +14,7 @@ import atexit
 import importlib.util
 import inspect
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -310,15 +311,15 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
     the keyword arguments the function asked for (keyword_columns)."""
     result = fn(response, ground_truth, **columns)
     if isinstance(result, Real):
-        return {"overall": float(result)}
+        result = {"overall": result}
     if not isinstance(result, dict) or "overall" not in result:
         raise TypeError(
             f"the reward function returned {type(result).__name__} {result!r:.100}; it must return a number or a dict "
             f"with an 'overall' key"
         )
-    wrong = [key for key, value in result.items() if not isinstance(value, Real)]
-    if wrong:
-        raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a number")
+    wrong = [key for key, value in result.items() if not isinstance(value, Real) or not math.isfinite(value)]
+    if wrong:  # (a NaN would reach the advantage of its whole group)
+        raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a finite number")
     return {str(key): float(value) for key, value in result.items()}
 
 

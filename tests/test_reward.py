@@ -291,7 +291,8 @@ def test_call_reward_takes_a_number_or_a_dict_with_overall():
     assert call_reward(lambda r, g: 1, "x", "y") == {"overall": 1.0}
     assert call_reward(lambda r, g: {"overall": 1, "format": 0.5}, "x", "y") == {"overall": 1.0, "format": 0.5}
     for value, message in (("1.0", "returned str '1.0'"), ({"accuracy": 1.0}, "returned dict"),
-                           (None, "returned NoneType"), ({"overall": 1.0, "note": "x"}, "'note' is 'x'")):  # fmt: skip
+                           (None, "returned NoneType"), ({"overall": 1.0, "note": "x"}, "'note' is 'x'"),
+                           (float("nan"), "'overall' is nan, not a finite number")):  # fmt: skip
         with pytest.raises(TypeError, match=re.escape(message)):
             call_reward(lambda r, g, v=value: v, "x", "y")
 
