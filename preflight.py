@@ -2,7 +2,7 @@
 
 `python train_grpo.py CONFIG --dry-run` reads the config, checks it and its paths and prints the memory plan for the
 world it is told (train_grpo.main), then runs dry_run here: every check that needs no GPU, one line each, "ok" with
-what it saw or "FAIL" with the key to change:
+what it saw, "FAIL" with the key to change, or "skip" when a check it needs failed:
 
     model     actor.model_path: the checkpoint's config and processor load (a hub id needs the hub, or its cache
               under HF_HUB_OFFLINE=1; an unreachable hub is one line, not five retries)
