@@ -626,6 +626,15 @@ def gpus_per_node(configured: int) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_GPUS
 
 
+def planned_world(trainer, dry_run: bool) -> int:
+    """The ranks the config checks and the plan are for: a dry run's trainer.nnodes x GPUs per node when nnodes is
+    set, else the launcher's (WORLD_SIZE, SLURM_NTASKS), else one node for a dry run and one rank for a run."""
+    if dry_run and trainer.nnodes > 0:
+        return trainer.nnodes * gpus_per_node(trainer.n_gpus_per_node)
+    launched = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "0")))
+    return launched or (gpus_per_node(trainer.n_gpus_per_node) if dry_run else 1)
+
+
 def gpu_memory(configured_gib: float) -> tuple[float, str]:
     """Bytes of one GPU and where the number came from: trainer.gpu_memory_gib, else CUDA, else DEFAULT_GPU_GIB."""
     import torch

@@ -539,18 +539,30 @@ def make_engine(cfg, processor):
     return ENGINES[cfg.rollout.engine](cfg, processor)
 
 
+def _media_sources(dataset, what: str) -> list:
+    """Each prompt's image or video sources (what: images, videos); a Subset (validation) has only its own."""
+    whole = getattr(getattr(dataset, "dataset", dataset), f"{what[:5]}_sources")
+    return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
+
+
+def data_media(datasets) -> str:
+    """What the data really has, for the start-up line: the prompts with images and with videos, and the most of
+    either one prompt has (not the engine's limits, which keep one image for text-only data)."""
+    parts = []
+    for what in ("images", "videos"):
+        counts = [len(s) for d in datasets if d is not None for s in _media_sources(d, what)]
+        n = sum(c > 0 for c in counts)
+        parts.append(f"{what} in {n} prompts (at most {max(counts)} a prompt)" if n else f"no {what}")
+    return ", ".join(parts)
+
+
 def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
     """The vLLM engine's limits of images and videos per prompt (limit_mm_per_prompt), set before it starts: a limit
     left at -1 becomes the data's most (written back into rollout_cfg), an explicit one is kept, and one below the
     data's most stops the run before the models load (vLLM would refuse such a prompt only at the rollout that
     draws it). Data with neither images nor videos keeps one image: with both limits 0 vLLM would build no vision
     tower, and the weight sync sends one. With tools, each tool turn may bring one image more (crop returns one)."""
-
-    def rows(dataset, sources):  # each prompt's image or video sources; a Subset (validation) has only its own
-        whole = getattr(getattr(dataset, "dataset", dataset), sources)
-        return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
-
-    most = {what: max((len(s) for d in datasets if d is not None for s in rows(d, f"{what[:5]}_sources")), default=0)
+    most = {what: max((len(s) for d in datasets if d is not None for s in _media_sources(d, what)), default=0)
             for what in ("images", "videos")}  # fmt: skip
     auto = {"images": most["images"] or int(not most["videos"]), "videos": most["videos"]}
     if rollout_cfg.tools:  # the prompt's images and one from each tool turn go to vLLM in one request

@@ -404,6 +404,7 @@ def _no_loading(monkeypatch):
     monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", forbidden)
     monkeypatch.setattr(train_grpo, "setup_distributed", forbidden)
     monkeypatch.setattr("huggingface_hub.hf_hub_download", forbidden)
+    monkeypatch.setattr("preflight.hub_reachable", lambda: False)  # as on this machine, without waiting to find out
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, capsys):
@@ -411,15 +412,20 @@ def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, 
     id of configs/geo3k.yaml (the embedded 7B numbers) and for a local directory (its config.json)."""
     _no_loading(monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # check_paths would want the 7B in the hub cache; the plan does not
-    assert main(["configs/geo3k.yaml", "--dry-run", *NODE]) == 0
+    assert main(["configs/geo3k.yaml", "--dry-run", *NODE]) == 1  # the plan fits; the model's files need the hub
     out = capsys.readouterr().out
+    assert (
+        "ok    memory plan: fits 8 GPUs" in out and "cannot reach the hub: use a local path or HF_HUB_OFFLINE=1" in out
+    )
     assert "Qwen/Qwen2.5-VL-7B-Instruct (8.29 B parameters), world 8, 8 x 80.0 GiB" in out
     assert "params 3.9 | grads 3.9 | adam 7.7 | reference 1.9" in out and "-> fits" in out
     assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0 + vllm sleep copy 7.7) = 116.2" in out
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a machine without a GPU
-    assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 0
-    assert "(1.21 M parameters), world 8, 8 x 80.0 GiB per node (no GPU here: assumed)" in capsys.readouterr().out
+    assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 1  # hub data
+    out = capsys.readouterr().out
+    assert "(1.21 M parameters), world 8, 8 x 80.0 GiB per node (no GPU here: assumed)" in out
+    assert "ok    model: qwen2_5_vl config" in out and "FAIL  data: data.train_files: " in out
 
 
 def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
@@ -538,9 +544,10 @@ def test_shipped_small_gpu_configs_fit(monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     for config, head in (("configs/geo3k_4x40gb.yaml", "world 4, 4 x 40.0 GiB"),
                          ("configs/geo3k_3b_1x40gb.yaml", "world 1, 1 x 40.0 GiB")):  # fmt: skip
-        assert main([config, "--dry-run"]) == 0
+        assert main([config, "--dry-run"]) == 1  # the plan fits; the model's files need the hub
         out = capsys.readouterr().out
         assert head in out and "-> fits" in out and "offloaded to host memory while generating" in out
+        assert "ok    memory plan: fits" in out
 
 
 @pytest.mark.parametrize(
