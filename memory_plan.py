@@ -17,7 +17,10 @@ What is exact and what is estimated:
   gradients in flight (FSDP2 reduce-scatters them in fp32), the activations of one micro-batch (as if every token
   of the budget were an image token: the worst case the config allows), the chunked LM head, vLLM's share while
   awake (exactly what it takes: rollout.gpu_memory_utilization of the device) and a fixed RUNTIME for the CUDA
-  context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free.
+  context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free. The weight
+  sync's layer reload (reload_peak: vLLM's largest layer, whole as sent and again as materialised) and, at sleep level
+  1, vLLM's pinned host copy of its weights: torch's power-of-two rounding of each block exactly, vLLM's allocations
+  modelled from the model's tensors (vllm_tensors, pinned_copy).
 
 Videos cost what images cost per token: an LM token of a clip is merge^2 patches (each of temporal_patch frames),
 as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the

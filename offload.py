@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 import models
 
-ALIGN = 512  # bytes between the start of an arena's slices (cudaMemcpy's fast path wants aligned addresses)
+ALIGN = 512  # each arena slice starts on a multiple of this, as the blocks of torch's CUDA allocator do
 PAGE = 4096  # an arena starts on a page (cudaHostRegister locks whole pages)
 
 
