@@ -555,13 +555,16 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         phases["optimizer step"] = {**states, "runtime": RUNTIME}
     generating = {k: v - offloaded.get(k, 0) for k, v in states.items()}
     if with_vllm:
-        if any(offloaded.values()):
-            # the sync reads the policy's shards before they leave: vLLM's weights (its KV cache still asleep) beside
-            # the whole state and what the reload of one layer holds (the full tensors sent, its materialised copy)
+        if any(offloaded.values()) or not x.vllm_bytes:
+            # the sync reads the policy's shards before they leave: vLLM's weights (its KV cache still asleep, unless
+            # it never sleeps) beside the whole state and what the reload of one layer holds (the full tensors sent,
+            # its materialised copy). (A CPU run's engine holds its weights and KV cache in one figure: only with
+            # offloading, as before.)
+            vllm = {"vllm awake": awake} if x.sleep_level == 0 else {"vllm weights": 2 * n["total"] / x.tp}
             phases["weight sync"] = {
                 **resident,
                 "grads": 0,
-                "vllm weights": 2 * n["total"] / x.tp,
+                **vllm,
                 "layer reload": reload_peak(s, x.tp),
                 "runtime": RUNTIME,
             }
