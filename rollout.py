@@ -278,6 +278,17 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     return (member_seed * 1_000_003 + prompt * n) % 2**63
 
 
+def sleep_level_for(requested: int, lora_rank: int) -> int:
+    """The vLLM sleep level a run uses (rollout.sleep_level; -1, the default, chooses). Level 1 copies every weight
+    to host memory at each sleep (pinned, one block per allocation) and back at each wake; level 2 discards them,
+    and vLLM (0.26-0.33 gpu_worker.sleep / wake_up) keeps and restores only the model's buffers. The cheapest correct
+    level: 2 where the next sync resends every weight (full fine-tuning: sync_weights sends every parameter, the
+    frozen vision tower's too), 1 where it resends only what changed (LoRA: the base's other weights must survive)."""
+    if requested != -1:
+        return requested
+    return 1 if lora_rank else 2
+
+
 class VLLMEngine:
     """A vLLM `LLM` inside each torchrun rank (`external_launcher`: no extra processes, no Ray).
 
@@ -312,8 +323,8 @@ class VLLMEngine:
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
         self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
         # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
-        self.sleep_level = r.sleep_level if on_cuda else 0
-        if r.sleep_level and not on_cuda and rank == 0 and not quiet:
+        self.sleep_level = sleep_level_for(r.sleep_level, cfg.actor.lora_rank) if on_cuda else 0
+        if r.sleep_level > 0 and not on_cuda and rank == 0 and not quiet:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype

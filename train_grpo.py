@@ -189,7 +189,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: ranks per engine (contiguous); the groups are data-parallel replicas
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
-    sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
+    sleep_level: int = -1  # vllm on CUDA: 1 = weights to host, 2 = discard, 0 = never; -1 = rollout.sleep_level_for
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
     max_videos_per_prompt: int = -1  # ... and this many videos; -1 = the data's most (both read before vllm starts)
@@ -413,8 +413,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
     if problem := config_problem(a, r.engine):
         raise ConfigError(problem)
-    if r.sleep_level not in (0, 1, 2):
-        raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
+    if r.sleep_level not in (-1, 0, 1, 2):
+        raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
     if problem := mismatch.config_problem(cfg.algorithm):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):

@@ -22,11 +22,11 @@ and how fast is it?
    same batch padded (sdpa), all in bf16; and the vision tower's varlen path against sdpa on the same images (on
    torch 2.14 and sm90 the tower's calls can go to cuDNN, a kernel the CPU tests never reach).
 4. With vLLM (the default where it imports): the rollout phase as the loop runs it, vLLM asleep while the trainer
-   works (rollout.sleep_level=1), its generation tokens/s, the wake, weight-sync and sleep seconds, and the GPU memory
-   free (torch.cuda.mem_get_info) right before and after every sleep: the device's use while vLLM is awake set beside
-   the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on, as in a real run; --enforce-eager
-   runs the same without them. Then, in a fresh process, vLLM's log-probs of its own samples against the trainer's
-   (bf16, after a weight sync), separately for text prompts and for image prompts.
+   works (rollout.sleep_level's default: level 2, 1 with --lora), its generation tokens/s, the wake, weight-sync and
+   sleep seconds, and the GPU memory free (torch.cuda.mem_get_info) right before and after every sleep: the device's
+   use while vLLM is awake set beside the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on,
+   as in a real run; --enforce-eager runs the same without them. Then, in a fresh process, vLLM's log-probs of its
+   own samples against the trainer's (bf16, after a weight sync), separately for text prompts and for image prompts.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
 of a step / step seconds, as EasyR1 counts it: docs/performance.md), model FLOPs utilisation of the training phases,
