@@ -119,3 +119,19 @@ def clip_metadata_per_request(model_path: str) -> bool:
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLMultiModalProcessor
 
     return not hasattr(Qwen2_5_VLMultiModalProcessor, "_get_hf_mm_inputs")
+
+
+def stream_deltas(llm, request_ids) -> list[str]:
+    """Make the requests `LLM.enqueue` just added report each engine step's new tokens and log-probs from
+    `llm_engine.step()`; returns their ids as the outputs name them. enqueue marks them final-only (LLM._add_request,
+    0.26 to 0.33), so a request stopped with `abort_request` would take its tokens with it (the abort's own output
+    goes only to an async client's queue). The output processor's per-request `output_kind` is read at each output
+    in 0.26, 0.32 and 0.33 alike; DELTA rather than CUMULATIVE, so that a step costs the new tokens, not the whole
+    answer again. enqueue returns the engine's internal ids (the caller's id plus a random suffix) while outputs and
+    `abort_request` use the caller's (`external_req_id`), in all three."""
+    from vllm.sampling_params import RequestOutputKind
+
+    states = llm.llm_engine.output_processor.request_states
+    for request_id in request_ids:
+        states[request_id].output_kind = RequestOutputKind.DELTA
+    return [states[request_id].external_req_id for request_id in request_ids]
