@@ -129,6 +129,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
         rollout.Continuation(carry.groups[gi].prompt, a.ids, gi, a.born >= 0 and step - a.born >= carry.max_staleness)
         for gi, a in open_
     ]
+    stats["rollout/partial_continued"] = float(sum(bool(c.prefix) for c in requests))  # resumed mid-answer
     had = {id(a): len(a.ids) for g in carry.groups for a in g.answers}  # tokens sampled before this step
     quota = need - sum(g.done for g in carry.groups)
     results = engine.generate_until(requests, quota, params, seed) if requests else []
