@@ -6,8 +6,9 @@ model, data and seeds, and the rollout throughput of each (tokens generated per 
 
 The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
-limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers; the first
-step (the engine's warm-up) is left out of the figures. Partial on uses the trainer's defaults (partial_reserve,
+limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers at the
+recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
+(the engine's warm-up) is left out of the figures. Partial on uses the trainer's defaults (partial_reserve,
 max_staleness) and algorithm.rollout_is=token. Generated tokens: every token the engine sampled in the step (with
 partial, also those of answers it will finish later); rollout time: the trainer's time/generate.
 """
@@ -37,7 +38,8 @@ def train(model, data, out, steps, max_len, *overrides):
            "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=8",
            f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
            "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
-           "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none", "actor.lr=1e-6", *overrides]  # fmt: skip
+           "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
+           "actor.lr=1e-6", *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
