@@ -568,26 +568,30 @@ class VLLMEngine:
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         start = sum(len(r) for r, _, _ in members[:member])
         if owner and not quota_met():
-            ids = vllm_compat.stream_deltas(self.llm, self.llm.enqueue(prompts, sampling, use_tqdm=False))
-            index = {rid: k for k, rid in enumerate(ids)}
+            internal = self.llm.enqueue(prompts, sampling, use_tqdm=False)
+            index = {rid: k for k, rid in enumerate(vllm_compat.external_ids(self.llm, internal))}
             engine = self.llm.llm_engine
+
+            def record(out):
+                k, completion = index[out.request_id], out.outputs[0]
+                if start <= k < start + len(requests):
+                    self._check_prompt(out, requests[k - start])
+                tokens[k] = list(completion.token_ids)
+                logprobs[k] = [completion.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])]
+                return k, completion
+
             while not quota_met() and engine.has_unfinished_requests():
-                for out in engine.step():
-                    k, completion = index[out.request_id], out.outputs[0]
-                    if start <= k < start + len(requests) and not tokens[k]:
-                        self._check_prompt(out, requests[k - start])
-                    new = list(completion.token_ids)
-                    tokens[k] += new
-                    logprobs[k] += [completion.logprobs[t][tok].logprob for t, tok in enumerate(new)]
-                    if out.finished:
-                        finish[k] = completion.finish_reason
-                        m, group, was_pinned = owner[k]
-                        unfinished[m, group] -= 1
-                        complete[m] += unfinished[m, group] == 0
-                        pinned -= was_pinned
-            stopped = [rid for rid, k in index.items() if finish[k] is None]
-            if stopped:
-                engine.abort_request(stopped)
+                for out in engine.step():  # (only finished requests report: final-only)
+                    k, completion = record(out)
+                    finish[k] = completion.finish_reason
+                    m, group, was_pinned = owner[k]
+                    unfinished[m, group] -= 1
+                    complete[m] += unfinished[m, group] == 0
+                    pinned -= was_pinned
+            for out in vllm_compat.stop_requests(
+                self.llm, [internal[k] for k in range(len(owner)) if finish[k] is None]
+            ):
+                record(out)
         return [(tokens[k], logprobs[k], finish[k] is not None, finish[k] == "length")
                 for k in range(start, start + len(requests))]  # fmt: skip
 

@@ -27,7 +27,8 @@ beside it, and none of it imports this file: rollout.py (the engines that sample
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
 (micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
 backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
-mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers).
+mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers),
+partial.py (partial rollouts: answers carried from step to step).
 """
 
 from __future__ import annotations
