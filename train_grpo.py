@@ -1003,6 +1003,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
         metrics["rollout/filter_rounds"] = rounds
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
+    gen_tokens = metrics.get("rollout/partial_generated", gen_tokens)  # partial: sampled now, carried ones not again
     tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
     metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
     # micro_batches: forward/backward passes, all updates of the step; moved_sequences: sent to another rank to even

@@ -8,7 +8,8 @@ The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
 limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers at the
 recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
-(the engine's warm-up) is left out of the figures. Partial on uses the trainer's defaults (partial_reserve,
+(the engine's warm-up) is left out of the figures. The two runs go at the same time, so that on a shared machine
+both see the same load. Partial on uses the trainer's defaults (partial_reserve,
 max_staleness) and algorithm.rollout_is=token. Generated tokens: every token the engine sampled in the step (with
 partial, also those of answers it will finish later); rollout time: the trainer's time/generate.
 """
@@ -31,8 +32,8 @@ WORKLOADS = {
 }
 
 
-def train(model, data, out, steps, max_len, *overrides):
-    """One trainer run on one rank; its metrics rows of steps 2 .. steps."""
+def start(model, data, out, steps, max_len, *overrides):
+    """One trainer run on one rank, started; metrics(out) reads its rows once it is done."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
            "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model}", f"data.train_files={data}",
            "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=8",
@@ -40,9 +41,12 @@ def train(model, data, out, steps, max_len, *overrides):
            "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
            "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
            "actor.lr=1e-6", *overrides]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
+    log = open(f"{out}.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+
+
+def metrics(out):
+    """The rows of steps 2 .. the last (step 1 warms the engine up)."""
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if r["step"] > 1]
 
@@ -76,15 +80,24 @@ def main():
     data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
     print(f"workload {args.workload}: eos_logit {w['eos_logit']}, answers up to {w['max_response_length']} tokens, "
           f"{args.steps} steps of 8 prompts x 8 answers, 1 rank, vLLM (CPU)", flush=True)  # fmt: skip
+    # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
+    # one after the other they would not
+    runs = {"off": [], "on": ["rollout.partial=true", "algorithm.rollout_is=token"]}
+    t0 = time.perf_counter()
+    procs = {
+        k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], *v) for k, v in runs.items()
+    }
+    for name, proc in procs.items():
+        if proc.wait():
+            raise SystemExit(f"partial {name} failed: see {os.path.join(tmp, name)}.log")
     results = {}
-    for name, overrides in (("off", []), ("on", ["rollout.partial=true", "algorithm.rollout_is=token"])):
-        t0 = time.perf_counter()
-        rows = train(model, data, os.path.join(tmp, name), args.steps, w["max_response_length"], *overrides)
-        results[name] = s = summary(rows, name == "on")
+    for name in runs:
+        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on")
         print(f"partial {name:3}: {s['tokens'] / s['rollout_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens in "
               f"{s['rollout_s']:.1f}s of rollout) | step {s['step_s']:.2f}s | trained answers: mean length "
               f"{s['len_mean']:.0f}, longest {s['len_max']:.0f}, carried {s['carried']:.2f}, off-policy tokens "
-              f"{s['off_policy']:.2f} | run {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+              f"{s['off_policy']:.2f}", flush=True)  # fmt: skip
+    print(f"both runs together: {time.perf_counter() - t0:.0f}s")
     on, off = (results[k]["tokens"] / results[k]["rollout_s"] for k in ("on", "off"))
     print(f"step time, partial on / off: {results['on']['step_s'] / results['off']['step_s']:.2f}x")
     print(f"rollout throughput (generated tokens per second of rollout), partial on / off: {on / off:.2f}x")
