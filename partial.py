@@ -12,8 +12,9 @@ https://arxiv.org/abs/2509.18521; AReaL's and verl's fully-async trainers bound 
     long, which would bias every batch toward short answers;
  4. a group trains only when all its answers have finished (its advantage is computed as without partial), oldest
     groups first; a finished answer waits here for its group;
- 5. an answer whose first token is rollout.max_staleness steps old is not stopped again (the step waits for it), so no
-    trained token is older than that; one found older anyway (a resume with a lower bound) starts over, counted;
+ 5. a group whose oldest token is rollout.max_staleness steps old is not stopped again (the step waits for its
+    answers), so no trained token is older than that; an answer found older anyway (a resume with a lower bound)
+    starts over, counted;
  6. `Sample.carried` marks the leading tokens sampled at earlier steps: their `logprobs` are those of the policy that
     sampled them, which the trainer's corrections take as the behaviour policy (config_problem says which).
 The quota is per rank, as the prompts are (each rank stops on its own; a TP group stops when each member has its
@@ -125,10 +126,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
             g.example = train_set[g.index]
             g.prompt = rollout.encode_prompt(processor, g.example)
     open_ = [(gi, a) for gi, g in enumerate(carry.groups) for a in g.answers if not a.done]
-    requests = [
-        rollout.Continuation(carry.groups[gi].prompt, a.ids, gi, a.born >= 0 and step - a.born >= carry.max_staleness)
-        for gi, a in open_
-    ]
+    # a group whose oldest token is at the bound finishes now: stopping it again would make that token too old
+    pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
+    requests = [rollout.Continuation(carry.groups[gi].prompt, a.ids, gi, pinned[gi]) for gi, a in open_]
     stats["rollout/partial_continued"] = float(sum(bool(c.prefix) for c in requests))  # resumed mid-answer
     had = {id(a): len(a.ids) for g in carry.groups for a in g.answers}  # tokens sampled before this step
     quota = need - sum(g.done for g in carry.groups)

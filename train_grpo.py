@@ -200,7 +200,7 @@ class RolloutConfig:
     tool_prompt: str = ""  # system text offering the tools where the chat template cannot ({tools}); "" = tools.py's
     partial: bool = False  # stop generating once the step has its groups, continue the rest next step (partial.py)
     partial_reserve: float = 0.5  # with partial: prompts in flight beyond the step's, as a share of them
-    max_staleness: int = 4  # with partial: most steps an answer's tokens wait; an older one starts over (counted)
+    max_staleness: int = 4  # with partial: most steps a carried token waits to train; an older one starts over
 
 
 @dataclass
