@@ -8,15 +8,18 @@ The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
 limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers at the
 recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
-(the engine's warm-up) is left out of the figures. The two runs go at the same time, so that on a shared machine
-both see the same load. Partial on uses the trainer's defaults (partial_reserve,
-max_staleness) and algorithm.rollout_is=token. Generated tokens: every token the engine sampled in the step (with
-partial, also those of answers it will finish later); rollout time: the trainer's time/generate.
+(the engine's warm-up) is left out. The two runs go at the same time, so that on a shared machine both see the same
+load, and each figure is the median over the steps (a step slowed by another job's burst does not decide it). Partial
+on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group, a reserve of
+half the step's leaves most quotas waiting for a group with one long answer) and algorithm.rollout_is=token.
+Generated tokens: every token the engine sampled in the step (with partial, also those of answers it will finish
+later); rollout time: the trainer's time/generate.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,13 +55,14 @@ def metrics(out):
 
 
 def summary(rows, partial):
-    """Generated tokens, rollout seconds, step seconds, and the trained answers' lengths, over the rows."""
+    """Per step: generated tokens per second of rollout and step seconds (medians), and the trained answers."""
     n_answers = 64  # 8 prompts x 8 answers a step
-    gen = sum(r["rollout/partial_generated"] if partial else r["response_length/mean"] * n_answers for r in rows)
+    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * n_answers for r in rows]
     return {
-        "tokens": gen,
-        "rollout_s": sum(r["time/generate"] for r in rows),
-        "step_s": sum(r["time/step"] for r in rows) / len(rows),
+        "tokens_per_s": statistics.median(g / r["time/generate"] for g, r in zip(gen, rows)),
+        "tokens": sum(gen) / len(rows),
+        "rollout_s": statistics.median(r["time/generate"] for r in rows),
+        "step_s": statistics.median(r["time/step"] for r in rows),
         "len_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
         "len_max": max(r["response_length/max"] for r in rows),
         "carried": sum(r.get("rollout/partial_carried", 0.0) for r in rows) / len(rows),
@@ -82,7 +86,7 @@ def main():
           f"{args.steps} steps of 8 prompts x 8 answers, 1 rank, vLLM (CPU)", flush=True)  # fmt: skip
     # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
     # one after the other they would not
-    runs = {"off": [], "on": ["rollout.partial=true", "algorithm.rollout_is=token"]}
+    runs = {"off": [], "on": ["rollout.partial=true", "algorithm.rollout_is=token", "rollout.partial_reserve=1.0"]}
     t0 = time.perf_counter()
     procs = {
         k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], *v) for k, v in runs.items()
@@ -93,12 +97,12 @@ def main():
     results = {}
     for name in runs:
         results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on")
-        print(f"partial {name:3}: {s['tokens'] / s['rollout_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens in "
-              f"{s['rollout_s']:.1f}s of rollout) | step {s['step_s']:.2f}s | trained answers: mean length "
+        print(f"partial {name:3}: {s['tokens_per_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens a step, "
+              f"rollout {s['rollout_s']:.1f}s) | step {s['step_s']:.2f}s | trained answers: mean length "
               f"{s['len_mean']:.0f}, longest {s['len_max']:.0f}, carried {s['carried']:.2f}, off-policy tokens "
               f"{s['off_policy']:.2f}", flush=True)  # fmt: skip
     print(f"both runs together: {time.perf_counter() - t0:.0f}s")
-    on, off = (results[k]["tokens"] / results[k]["rollout_s"] for k in ("on", "off"))
+    on, off = (results[k]["tokens_per_s"] for k in ("on", "off"))
     print(f"step time, partial on / off: {results['on']['step_s'] / results['off']['step_s']:.2f}x")
     print(f"rollout throughput (generated tokens per second of rollout), partial on / off: {on / off:.2f}x")
 
