@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 # the end-of-answer logit and the answer limit of each workload (and the tiny model's seed)
 WORKLOADS = {
     "default": {"eos_logit": 4.0, "max_response_length": 384, "seed": 0},
-    "other": {"eos_logit": 3.0, "max_response_length": 256, "seed": 1},
+    "other": {"eos_logit": 5.0, "max_response_length": 384, "seed": 0},
 }
 
 
