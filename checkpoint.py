@@ -36,7 +36,7 @@ from models import load_model, reshard
 from runtime import Stop, phase, print0, resolve_path
 
 
-def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg):
+def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg, engine=None):
     """Collective: every rank writes its shards; rank 0 marks the checkpoint complete and prunes old ones. A save that
     fails on any rank (a full disk) fails on all of them together with one message, leaving the checkpoints that were
     complete as they were."""
@@ -57,7 +57,7 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
     error = None
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        torch.save(rank_state(scorer), os.path.join(tmp, f"rank_{rank}.pt"))
+        torch.save(rank_state(scorer, getattr(engine, "carry", None)), os.path.join(tmp, f"rank_{rank}.pt"))
     except (Exception, dcp.CheckpointException) as e:  # (DCP's own is a BaseException)
         error = e
     _raise_if_save_failed(error, step, output_dir, tmp)  # every rank's files are written, or every rank stops here
@@ -181,7 +181,7 @@ def find_resume_checkpoint(output_dir, resume):
     return choice[0]
 
 
-def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
+def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg, engine=None):
     """Collective: restore everything save_checkpoint wrote. Returns (step, epoch, position) to continue from."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -205,7 +205,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg):
                "the data order and random streams differ from an uninterrupted run")  # fmt: skip
     rank_file = os.path.join(path, f"rank_{rank}.pt")
     if os.path.exists(rank_file):
-        restore_rank_state(read_rank_state(rank_file), scorer)
+        restore_rank_state(read_rank_state(rank_file), scorer, getattr(engine, "carry", None))
     print0(
         f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
         f"index {position} of this epoch's shard on each rank; next step {step + 1}"
@@ -238,9 +238,10 @@ def _refused_globals(file):
     return ", ".join(names) or "something that is not data"
 
 
-def rank_state(scorer):
-    """This rank's random streams and reward counters as tensors and numbers, which torch.load(weights_only=True)
-    reads back (numpy's and Python's states are tuples of objects; their numbers go into int64 tensors)."""
+def rank_state(scorer, carry=None):
+    """This rank's random streams, reward counters and (partial rollouts) the answers in flight as tensors, numbers
+    and lists, which torch.load(weights_only=True) reads back (numpy's and Python's states are tuples of objects;
+    their numbers go into int64 tensors)."""
     import random
 
     import numpy as np
@@ -255,10 +256,11 @@ def rank_state(scorer):
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
+        **({"partial": carry.state_dict()} if carry is not None else {}),
     }  # fmt: skip
 
 
-def restore_rank_state(state, scorer):
+def restore_rank_state(state, scorer, carry=None):
     import random
 
     import numpy as np
@@ -272,6 +274,8 @@ def restore_rank_state(state, scorer):
         torch.cuda.set_rng_state(state["cuda_rng"])
     scorer.n_timeouts = state["reward_counters"]["n_timeouts"]
     scorer.n_errors = state["reward_counters"]["n_errors"]
+    if carry is not None:  # a checkpoint of a run without partial rollouts has none in flight
+        carry.load_state_dict(state.get("partial", {"groups": []}))
 
 
 def read_rank_state(path):

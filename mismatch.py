@@ -368,7 +368,7 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
         engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
         mask = torch.ones_like(engine)  # (T,)
         mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
-        mask[: s.carried] = 0  # sampled at earlier steps: an older policy's log-probs
+        mask[: s.carried] = 0  # sampled under older weights (partial.py): this step's policy cannot judge them
         measure(logp[None], engine[None], mask[None], [kind], stats)
         group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
         group[1] += _gap(logp, engine, mask)[1].sum().item()

@@ -22,6 +22,7 @@ slow; at most rollout.max_num_seqs sequences per generate call. `vllm` runs a vL
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
@@ -81,11 +82,23 @@ class Sample:
     # leading tokens of response_ids sampled at earlier steps, under older weights (an answer cut short by a partial
     # rollout and continued now); their `logprobs` are the older policy's, so only the rest measures the engine
     carried: int = 0
+    staleness: int = 0  # steps since its first token was sampled (partial.py); 0 for an answer of this step
 
     @property
     def model_len(self) -> int:
         """The tokens the model wrote (those that carry loss)."""
         return len(self.response_ids) - sum(len(t.input_ids) for t in self.turns)
+
+
+@dataclass
+class Continuation:
+    """An answer to sample or to continue (partial.py): its prompt, the tokens it has (sampled at earlier steps), its
+    group among the requests, and whether the step must wait for it to finish (the staleness bound)."""
+
+    prompt: Prompt
+    prefix: list[int]
+    group: int
+    pinned: bool = False
 
 
 def encode_prompt(processor, example) -> Prompt:
@@ -474,49 +487,15 @@ class VLLMEngine:
         self.timings["time/weight_sync"] += time.perf_counter() - t0
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:
-        from vllm import SamplingParams as VSamplingParams
-
-        if self.offload is not None:  # the sync has read the policy: its state can leave before the KV cache wakes
-            self.offload.offload(self.timings)
-        self._wake(["weights", "kv_cache"])
-        for what, most, limit in (
-            ("images", max((len(p.images) for p in prompts), default=0), self.max_images),
-            ("videos", max((len(p.videos) for p in prompts), default=0), self.max_videos),
-        ):
-            if most > limit:
-                raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
+        self._prepare(prompts)
         mine = [(engine_prompt_ids(p, self.image_token_id), p.images, [engine_video(v) for v in p.videos],
                  min(params.max_tokens, p.max_tokens or params.max_tokens)) for p in prompts]  # fmt: skip
-        groups = [(mine, seed)]
-        if self.tp_group is not None:  # every member of a TP group must submit the same requests
-            groups = [None] * self.tp
-            dist.all_gather_object(groups, (mine, seed), group=self.tp_group)
+        groups = self._gather((mine, seed))
         requests, sampling = [], []
-        greedy = params.temperature <= 0
         for member_prompts, member_seed in groups:
             for i, (ids, images, videos, max_tokens) in enumerate(member_prompts):
-                request = {"prompt_token_ids": ids}
-                mm_data = {"image": images, "video": videos}
-                if images or videos:
-                    request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
-                if videos and self.clip_metadata:  # flat: a request's own videos_kwargs would replace the engine's
-                    metadata = [{k: v for k, v in meta.items() if k != "do_sample_frames"} for _, meta in videos]
-                    request["mm_processor_kwargs"] = {"video_metadata": metadata}
-                requests.append(request)
-                sampling.append(
-                    VSamplingParams(
-                        n=n,
-                        temperature=0.0 if greedy else params.temperature,
-                        top_p=1.0 if greedy else params.top_p,
-                        top_k=0,  # off, as in the HF engine and the trainer's log-probs
-                        max_tokens=max_tokens,
-                        stop_token_ids=list(params.stop_token_ids),
-                        logprobs=0,  # the sampled token's log-prob only
-                        logit_bias=self.logit_bias,
-                        seed=request_seed(member_seed, i, n),
-                        detokenize=False,  # decoded below exactly as the HF engine does
-                    )
-                )
+                requests.append(self._request(ids, images, videos))
+                sampling.append(self._sampling(params, n, max_tokens, request_seed(member_seed, i, n)))
         outputs = self.llm.generate(requests, sampling, use_tqdm=False) if requests else []  # (a turn without calls)
         # the outputs follow the members' prompts in group order: keep this rank's own slice
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
@@ -539,6 +518,117 @@ class VLLMEngine:
                     truncated=completion.finish_reason == "length",
                 ))  # fmt: skip
         return samples
+
+    def _prepare(self, prompts):
+        if self.offload is not None:  # the sync has read the policy: its state can leave before the KV cache wakes
+            self.offload.offload(self.timings)
+        self._wake(["weights", "kv_cache"])
+        for what, most, limit in (
+            ("images", max((len(p.images) for p in prompts), default=0), self.max_images),
+            ("videos", max((len(p.videos) for p in prompts), default=0), self.max_videos),
+        ):
+            if most > limit:
+                raise ValueError(f"a prompt has {most} {what}: raise rollout.max_{what}_per_prompt (now {limit})")
+
+    def _gather(self, mine) -> list:
+        """Every member of a TP group must submit the same requests: all members' (requests, ...), in rank order."""
+        if self.tp_group is None:
+            return [mine]
+        members = [None] * self.tp
+        dist.all_gather_object(members, mine, group=self.tp_group)
+        return members
+
+    def _request(self, ids, images, videos) -> dict:
+        request = {"prompt_token_ids": ids}
+        mm_data = {"image": images, "video": videos}
+        if images or videos:
+            request["multi_modal_data"] = {k: v for k, v in mm_data.items() if v}
+        if videos and self.clip_metadata:  # flat: a request's own videos_kwargs would replace the engine's
+            metadata = [{k: v for k, v in meta.items() if k != "do_sample_frames"} for _, meta in videos]
+            request["mm_processor_kwargs"] = {"video_metadata": metadata}
+        return request
+
+    def _sampling(self, params, n, max_tokens, seed):
+        from vllm import SamplingParams as VSamplingParams
+
+        greedy = params.temperature <= 0
+        return VSamplingParams(
+            n=n,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0,  # off, as in the HF engine and the trainer's log-probs
+            max_tokens=max_tokens,
+            stop_token_ids=list(params.stop_token_ids),
+            logprobs=0,  # the sampled token's log-prob only
+            logit_bias=self.logit_bias,
+            seed=seed,
+            detokenize=False,  # decoded by the caller exactly as the HF engine does
+        )
+
+    def generate_until(self, requests: list[Continuation], quota: int, params: SamplingParams, seed: int) -> list:
+        """Partial rollouts (partial.py): one request per answer, continued from its prefix with the same images and
+        videos and max_tokens less what it has; generation stops as soon as `quota` of this rank's groups have all
+        their requests finished and every pinned request has, and the others are stopped where they are (vLLM's
+        offline generate would run them all to the end, so the engine is stepped here). Returns per request (new
+        token ids, their log-probs, finished, truncated). A TP group's members submit every member's requests and
+        stop when each member has its quota: a decision each takes alike from the same outputs."""
+        self._prepare([c.prompt for c in requests])
+        mine = [(engine_prompt_ids(c.prompt, self.image_token_id) + list(c.prefix), c.prompt.images,
+                 [engine_video(v) for v in c.prompt.videos], params.max_tokens - len(c.prefix), c.group, c.pinned)
+                for c in requests]  # fmt: skip
+        members = self._gather((mine, quota, seed))
+        prompts, sampling, owner = [], [], []
+        for m, (member_requests, _, member_seed) in enumerate(members):
+            for i, (ids, images, videos, max_tokens, group, pinned) in enumerate(member_requests):
+                prompts.append(self._request(ids, images, videos))
+                sampling.append(self._sampling(params, 1, max_tokens, request_seed(member_seed, i, 1)))
+                owner.append((m, group, pinned))
+        unfinished = collections.Counter((m, g) for m, g, _ in owner)  # open requests per (member, group)
+        complete = [0] * len(members)  # groups of each member whose requests all finished
+        pinned = sum(p for *_, p in owner)
+
+        def quota_met():
+            return pinned == 0 and all(c >= q for c, (_, q, _) in zip(complete, members))
+
+        tokens, logprobs, finish = [[] for _ in owner], [[] for _ in owner], [None] * len(owner)
+        member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        start = sum(len(r) for r, _, _ in members[:member])
+        if owner and not quota_met():
+            internal = self.llm.enqueue(prompts, sampling, use_tqdm=False)
+            index = {rid: k for k, rid in enumerate(vllm_compat.external_ids(self.llm, internal))}
+            engine = self.llm.llm_engine
+
+            def record(out):
+                k, completion = index[out.request_id], out.outputs[0]
+                if start <= k < start + len(requests):
+                    self._check_prompt(out, requests[k - start])
+                tokens[k] = list(completion.token_ids)
+                logprobs[k] = [completion.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])]
+                return k, completion
+
+            while not quota_met() and engine.has_unfinished_requests():
+                for out in engine.step():  # (only finished requests report: final-only)
+                    k, completion = record(out)
+                    finish[k] = completion.finish_reason
+                    m, group, was_pinned = owner[k]
+                    unfinished[m, group] -= 1
+                    complete[m] += unfinished[m, group] == 0
+                    pinned -= was_pinned
+            for out in vllm_compat.stop_requests(
+                self.llm, [internal[k] for k in range(len(owner)) if finish[k] is None]
+            ):
+                record(out)
+        return [(tokens[k], logprobs[k], finish[k] is not None, finish[k] == "length")
+                for k in range(start, start + len(requests))]  # fmt: skip
+
+    def _check_prompt(self, out, request):
+        # vLLM expanded the image pads itself: the prompt must be token for token the one the trainer scores
+        if list(out.prompt_token_ids) != request.prompt.input_ids.tolist() + list(request.prefix):
+            raise RuntimeError(
+                f"vLLM's prompt ({len(out.prompt_token_ids)} tokens) differs from the trainer's "
+                f"({len(request.prompt.input_ids)} + {len(request.prefix)} carried): are rollout and trainer image "
+                "pixel bounds the same?"
+            )
 
 
 ENGINES = {"hf": HFEngine, "vllm": VLLMEngine}

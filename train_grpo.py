@@ -27,7 +27,8 @@ beside it, and none of it imports this file: rollout.py (the engines that sample
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
 (micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
 backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
-mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers).
+mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers),
+partial.py (partial rollouts: answers carried from step to step).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 import mismatch
+import partial
 import preflight
 import rollout
 import turns
@@ -199,6 +201,9 @@ class RolloutConfig:
     tool_timeout: float = 10.0  # seconds per tool call; a hang or a crash comes back to the model as an error
     tool_workers: int = 1  # tool processes per rank
     tool_prompt: str = ""  # system text offering the tools where the chat template cannot ({tools}); "" = tools.py's
+    partial: bool = False  # stop generating once the step has its groups, continue the rest next step (partial.py)
+    partial_reserve: float = 0.5  # with partial: prompts in flight beyond the step's, as a share of them
+    max_staleness: int = 4  # with partial: most steps a carried token waits to train; an older one starts over
 
 
 @dataclass
@@ -415,7 +420,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(problem)
     if r.sleep_level not in (-1, 0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
-    if problem := mismatch.config_problem(cfg.algorithm):
+    if problem := mismatch.config_problem(cfg.algorithm) or partial.config_problem(cfg):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
@@ -639,13 +644,12 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
     for round_ in range(rounds):
-        indices, epoch, position = sampler.next_indices(epoch, position, need)
-        batch = [train_set[i] for i in indices]
-        batch_prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
         # a distinct, reproducible stream per step, round and rank (resumed runs sample exactly the same)
         seed = cfg.trainer.seed * 1_000_003 + step * world + rank + round_ * 10_000_019
         t0 = time.perf_counter()
-        batch_samples = engine.generate(batch_prompts, r.n, params, seed=seed)
+        batch, batch_prompts, batch_samples, epoch, position = partial.draw_and_generate(
+            engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step
+        )
         timings["time/generate"] += time.perf_counter() - t0
         stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts
         t0 = time.perf_counter()
@@ -964,7 +968,7 @@ def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
     return metrics
 
 
-def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer):
+def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer):
     """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
     loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
     world = dist.get_world_size()
@@ -993,25 +997,22 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     fails["reward/timeouts"] = float(scorer.n_timeouts)
     metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
     metrics.update(turns.step_metrics(filter_stats, len(samples)))  # tool calls and faults, when tools are on
+    metrics.update(partial.step_metrics(filter_stats, samples))  # carried answers and their staleness, with partial
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")
         metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
         metrics["rollout/filter_rounds"] = rounds
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
+    gen_tokens = metrics.get("rollout/partial_generated", gen_tokens)  # partial: sampled now, carried ones not again
     tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
     metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
-    metrics.update(
-        {
-            "epoch": epoch,
-            "actor/grad_norm": stats["actor/grad_norm"],
-            "actor/lr": lr,
-            "actor/skipped_steps": stats["actor/skipped_steps"],
-            "actor/optimizer_steps": n_updates,
-            "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
-            "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
-        }
-    )
+    # micro_batches: forward/backward passes, all updates of the step; moved_sequences: sent to another rank to even
+    # out tokens
+    metrics.update({"epoch": epoch, "actor/grad_norm": stats["actor/grad_norm"], "actor/optimizer_steps": n_updates,
+                    "actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": stats["actor/skipped_steps"],
+                    "actor/micro_batches": stats["actor/micro_batches"],
+                    "actor/moved_sequences": stats["actor/moved_sequences"]})  # fmt: skip
     timings["time/step"] = time.perf_counter() - t_step
     metrics.update(max_over_ranks(timings))
     metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
@@ -1083,7 +1084,7 @@ def main(argv=None):
     scorer = RewardScorer(cfg.reward.reward_fn, timeout=cfg.reward.timeout, num_workers=workers)  # (workers: later)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world, scorer.columns)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
-    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
+    engine = partial.with_carry(turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor), cfg)
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
@@ -1100,7 +1101,7 @@ def main(argv=None):
     step, epoch, position, stop_signum = 0, 0, 0, 0
     checkpoint = find_resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
     if checkpoint:
-        step, epoch, position = load_checkpoint(checkpoint, model, optimizer, scheduler, scorer, cfg)
+        step, epoch, position = load_checkpoint(checkpoint, model, optimizer, scheduler, scorer, cfg, engine)
     # steps after the checkpoint are about to be rerun; a fresh run into an old output_dir starts a fresh file
     logger.drop_steps_after(step if checkpoint else -1)
     guard_step = step + 1 if cfg.algorithm.mismatch_guard > 0 else 0  # the first step of a run or of its resume
@@ -1110,8 +1111,7 @@ def main(argv=None):
 
     while step < total_steps:
         step += 1
-        t_step = time.perf_counter()
-        timings = {}
+        t_step, timings = time.perf_counter(), {}
         model.eval()
 
         # ------------------------------------------------------------------------------------- rollout + reward
@@ -1158,9 +1158,8 @@ def main(argv=None):
         # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
 
         # ------------------------------------------------------------------------------------------------- log
-        lr = scheduler.get_last_lr()[0]
         phase("metrics")
-        metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, scorer)
+        metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer)
 
         # --------------------------------------------------------------------------------------------- validate
         freq = cfg.trainer.val_freq
@@ -1172,7 +1171,9 @@ def main(argv=None):
         stop_signum = stop.agreed()  # every rank reaches this once per step
         freq = cfg.trainer.save_freq
         if freq > 0 and (step % freq == 0 or step == total_steps or stop_signum):
-            save_checkpoint(cfg.trainer.output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg)
+            save_checkpoint(
+                cfg.trainer.output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg, engine
+            )
         if stop_signum:
             break
 

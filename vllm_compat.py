@@ -146,3 +146,33 @@ def clip_metadata_per_request(model_path: str) -> bool:
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLMultiModalProcessor
 
     return not hasattr(Qwen2_5_VLMultiModalProcessor, "_get_hf_mm_inputs")
+
+
+def external_ids(llm, request_ids) -> list[str]:
+    """The ids that outputs and `abort_request` name the requests `LLM.enqueue` returned: enqueue returns the
+    engine's internal ids (the caller's id plus a random suffix), outputs carry the caller's (`external_req_id` of the
+    output processor's request state), in 0.26, 0.32 and 0.33 alike."""
+    states = llm.llm_engine.output_processor.request_states
+    return [states[request_id].external_req_id for request_id in request_ids]
+
+
+def stop_requests(llm, request_ids) -> list:
+    """Stop the unfinished requests among `request_ids` (internal ids, as enqueue returned them) and return what each
+    has sampled so far: a RequestOutput with all its tokens and their log-probs. `LLM.enqueue` marks requests
+    final-only (LLM._add_request, 0.26 to 0.33), so `llm_engine.step()` reports a request only when it finishes, and
+    `abort_request` keeps its tokens to itself (the abort's own output goes only to an async client's queue). So each
+    one's output is made from the output processor's request state first, switched to cumulative
+    (`make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason)`, the same four leading
+    parameters in 0.26, 0.32 and 0.33), then the requests are aborted. Reading them only at the stop keeps the
+    engine's steps as cheap as offline generate's: a per-step stream of every running request's tokens cost the tiny
+    CPU model more than its decode steps."""
+    from vllm.sampling_params import RequestOutputKind
+
+    states = llm.llm_engine.output_processor.request_states
+    outputs, open_ids = [], [r for r in request_ids if r in states]
+    for request_id in open_ids:
+        states[request_id].output_kind = RequestOutputKind.CUMULATIVE
+        outputs.append(states[request_id].make_request_output([], None, None, None))
+    if open_ids:
+        llm.llm_engine.abort_request(open_ids, internal=True)
+    return outputs

@@ -440,12 +440,20 @@ def _final_feature(model, tokenizer) -> float:
 
 
 def build_tiny_model(
-    out_dir: str, seed: int = 0, vocab_size: int = 400, family: str = "qwen2_5_vl", tools: bool = False
+    out_dir: str,
+    seed: int = 0,
+    vocab_size: int = 400,
+    family: str = "qwen2_5_vl",
+    tools: bool = False,
+    eos_logit: float = 0.0,
 ) -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
     vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen
-    special tokens are appended (and with `tools` the two tool-call tokens). Returns out_dir.
+    special tokens are appended (and with `tools` the two tool-call tokens). `eos_logit` > 0 raises the
+    end-of-answer token's logit by about that much: a random model then ends its answers at varied lengths (the
+    final hidden states share a mean direction; their projection on it varies by +-40 % from position to position)
+    rather than always at max_tokens. Returns out_dir.
     """
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
@@ -464,6 +472,16 @@ def build_tiny_model(
             feature = _final_feature(model, tokenizer)
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature
+    if eos_logit:
+        with torch.no_grad():
+            ids = torch.randint(0, vocab_size, (8, 64), generator=torch.Generator().manual_seed(seed))
+            hidden = model.model.language_model(input_ids=ids).last_hidden_state.reshape(
+                -1, config.text_config.hidden_size
+            )
+            mean = hidden.mean(0)
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] += (
+                eos_logit * mean / mean.square().sum()
+            )
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)

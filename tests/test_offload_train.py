@@ -12,25 +12,38 @@ from tests.test_vllm import first_and_last, toy_run
 
 OFFLOAD = ["actor.offload_params=true", "actor.offload_optimizer=true"]
 BF16_OFFLOAD = ["actor.master_dtype=bf16", *OFFLOAD]
+# Partial rollouts ride along (partial.py): at most 36 answers decode together, so the step's quota of complete groups
+# is met while some answers wait or are cut (36 is no multiple of the 8 answers of a group), and answers are in flight
+# at the step-17 checkpoint
+PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token", "rollout.max_num_seqs=36"]
+PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
+                "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
+                "rollout/staleness_max", "rollout/off_policy_share"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def bf16_offload_run(tiny_model_dir, tmp_path_factory):
-    """20 toy-reward steps with bf16 masters and everything offloaded, validating at steps 0, 10 and 20 (the engine
-    wakes there too), checkpoints at steps 17 and 20: (tmp dir, metrics rows of the training steps)."""
+    """20 toy-reward steps with bf16 masters and everything offloaded, and partial rollouts, validating at steps 0, 10
+    and 20 (the engine wakes there too), checkpoints at steps 17 and 20: (tmp dir, metrics rows of the training
+    steps)."""
     tmp = tmp_path_factory.mktemp("bf16_offload")
-    args = [*BF16_OFFLOAD, "trainer.val_freq=10", "trainer.save_freq=17", "trainer.export_hf=false"]
+    args = [*BF16_OFFLOAD, *PARTIAL, "trainer.val_freq=10", "trainer.save_freq=17", "trainer.export_hf=false"]
     return tmp, args, toy_run(tiny_model_dir, tmp, *args)
 
 
 def test_bf16_masters_with_offload_learn_the_toy_reward(bf16_offload_run):
     """Guards against bf16 master weights that stop learning (updates lost to bf16 rounding: lr 3e-3 AdamW steps are
-    far below one bf16 step of many weights) and an offload that breaks the loop: the same criterion as the fp32 run
-    of test_vllm.py, the engine still sampling the trainer's policy, and the transfers timed every step."""
+    far below one bf16 step of many weights), an offload that breaks the loop and partial rollouts that do (stale
+    answers mistrained, groups trained incomplete, a continued answer whose prompt vLLM saw otherwise, which raises):
+    the same criterion as the fp32 run of test_vllm.py, the engine still sampling the trainer's policy, answers
+    carried over and cut ones continued, and the transfers timed every step."""
     _, _, rows = bf16_offload_run
     first, last = first_and_last(rows)
     assert last >= first + 0.2, (first, last)
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in rows)
+    assert all(r["rollout/partial_carried"] > 0 and r["rollout/off_policy_share"] > 0 for r in rows[1:])
+    assert any(r["rollout/partial_continued"] > 0 for r in rows)  # answers cut mid-way, continued from their tokens
+    assert all(r["rollout/staleness_max"] <= 4 and r["rollout/partial_dropped"] == 0 for r in rows)
     assert all(r["time/offload"] > 0 and r["time/onload"] > 0 for r in rows)
 
 
@@ -43,8 +56,9 @@ def test_resume_with_bf16_masters_and_offload_is_exact(tiny_model_dir, bf16_offl
     shutil.rmtree(run / "checkpoints" / "step_20")
     resumed = toy_run(tiny_model_dir, tmp, *args)
     assert resumed[:17] == rows[:17]  # kept as logged, timings included: steps 1-17 were not run again
+    keys = DETERMINISTIC_KEYS + PARTIAL_KEYS  # the answers in flight at step 17 came back as they were
     for got, want in zip(resumed[17:], rows[17:], strict=True):
-        assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, got["step"]
 
 
 def test_offload_leaves_three_demo_steps_bitwise_unchanged(tiny_model_dir, tmp_path):

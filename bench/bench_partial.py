@@ -1,0 +1,111 @@
+"""Partial rollouts against whole ones, side by side: the trainer with rollout.partial off, then on, on the same
+model, data and seeds, and the rollout throughput of each (tokens generated per second of generation).
+
+    python bench/bench_partial.py                      # the workload below; its last line is the ratio, on / off
+    python bench/bench_partial.py --workload other     # another length distribution, to check the gain holds
+
+The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
+raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
+limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers at the
+recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
+(the engine's warm-up) is left out. The two runs go at the same time, so that on a shared machine both see the same
+load, and each figure is the median over the steps (a step slowed by another job's burst does not decide it). Partial
+on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group, a reserve of
+half the step's leaves most quotas waiting for a group with one long answer) and algorithm.rollout_is=token.
+Generated tokens: every token the engine sampled in the step (with partial, also those of answers it will finish
+later); rollout time: the trainer's time/generate.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# the end-of-answer logit and the answer limit of each workload (and the tiny model's seed)
+WORKLOADS = {
+    "default": {"eos_logit": 4.0, "max_response_length": 384, "seed": 0},
+    "other": {"eos_logit": 5.0, "max_response_length": 384, "seed": 0},
+}
+
+
+def start(model, data, out, steps, max_len, *overrides):
+    """One trainer run on one rank, started; metrics(out) reads its rows once it is done."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+           "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model}", f"data.train_files={data}",
+           "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=8",
+           f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
+           "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
+           "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
+           "actor.lr=1e-6", *overrides]  # fmt: skip
+    log = open(f"{out}.log", "w")
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+
+
+def metrics(out):
+    """The rows of steps 2 .. the last (step 1 warms the engine up)."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if r["step"] > 1]
+
+
+def summary(rows, partial):
+    """Per step: generated tokens per second of rollout and step seconds (medians), and the trained answers."""
+    n_answers = 64  # 8 prompts x 8 answers a step
+    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * n_answers for r in rows]
+    return {
+        "tokens_per_s": statistics.median(g / r["time/generate"] for g, r in zip(gen, rows)),
+        "tokens": sum(gen) / len(rows),
+        "rollout_s": statistics.median(r["time/generate"] for r in rows),
+        "step_s": statistics.median(r["time/step"] for r in rows),
+        "len_mean": sum(r["response_length/mean"] for r in rows) / len(rows),
+        "len_max": max(r["response_length/max"] for r in rows),
+        "carried": sum(r.get("rollout/partial_carried", 0.0) for r in rows) / len(rows),
+        "off_policy": sum(r.get("rollout/off_policy_share", 0.0) for r in rows) / len(rows),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    from scripts.make_synthetic_data import make_geo3k_like
+    from scripts.make_tiny_model import build_tiny_model
+
+    w = WORKLOADS[args.workload]
+    tmp = tempfile.mkdtemp(prefix="bench_partial_")
+    model = build_tiny_model(os.path.join(tmp, "model"), seed=w["seed"], eos_logit=w["eos_logit"])
+    data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
+    print(f"workload {args.workload}: eos_logit {w['eos_logit']}, answers up to {w['max_response_length']} tokens, "
+          f"{args.steps} steps of 8 prompts x 8 answers, 1 rank, vLLM (CPU)", flush=True)  # fmt: skip
+    # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
+    # one after the other they would not
+    runs = {"off": [], "on": ["rollout.partial=true", "algorithm.rollout_is=token", "rollout.partial_reserve=1.0"]}
+    t0 = time.perf_counter()
+    procs = {
+        k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], *v) for k, v in runs.items()
+    }
+    for name, proc in procs.items():
+        if proc.wait():
+            raise SystemExit(f"partial {name} failed: see {os.path.join(tmp, name)}.log")
+    results = {}
+    for name in runs:
+        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on")
+        print(f"partial {name:3}: {s['tokens_per_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens a step, "
+              f"rollout {s['rollout_s']:.1f}s) | step {s['step_s']:.2f}s | trained answers: mean length "
+              f"{s['len_mean']:.0f}, longest {s['len_max']:.0f}, carried {s['carried']:.2f}, off-policy tokens "
+              f"{s['off_policy']:.2f}", flush=True)  # fmt: skip
+    print(f"both runs together: {time.perf_counter() - t0:.0f}s")
+    on, off = (results[k]["tokens_per_s"] for k in ("on", "off"))
+    print(f"step time, partial on / off: {results['on']['step_s'] / results['off']['step_s']:.2f}x")
+    print(f"rollout throughput (generated tokens per second of rollout), partial on / off: {on / off:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

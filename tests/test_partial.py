@@ -1,0 +1,185 @@
+"""Partial rollouts (partial.py) with a scripted engine: which answers continue, from which tokens, with which
+log-probs, which groups train, and what a checkpoint keeps. The vLLM side runs in test_offload_train.py's launch."""
+
+import io
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import mismatch
+import partial
+import rollout
+from data import ShardSampler
+from train_grpo import ConfigError, check_config, load_config
+
+N = 3  # answers per prompt
+CONTINUATION = rollout.Continuation  # (setup patches it)
+
+
+def target_length(row: int, answer: int) -> int:
+    """The scripted length of an answer: mostly short, a few long (answer 2 of every third prompt)."""
+    return 12 + row % 5 if answer == 2 and row % 3 == 0 else 1 + (row + answer) % 3
+
+
+class ScriptedEngine:
+    """Every open request gains one token per engine step; token t of an answer is t (so an answer continued from its
+    prefix reads 0, 1, 2, ... and one sampled afresh would start at 0 again), with the log-prob -step: the training
+    step that sampled it. Stops as the real engine does: when `quota` groups are complete and no pinned one is open."""
+
+    def __init__(self):
+        self.step, self.requests = 0, []
+
+    def generate_until(self, requests, quota, params, seed):
+        self.requests.append(requests)
+        new = [[] for _ in requests]
+        groups = {r.group for r in requests}
+
+        def done(k):
+            r = requests[k]
+            return len(r.prefix) + len(new[k]) >= target_length(r.prompt.row, r.prompt.answer_of[id(r.prefix)])
+
+        def met():
+            complete = sum(all(done(k) for k, r in enumerate(requests) if r.group == g) for g in groups)
+            return complete >= quota and all(done(k) for k, r in enumerate(requests) if r.pinned)
+
+        while not met() and not all(done(k) for k in range(len(requests))):
+            for k, r in enumerate(requests):
+                if not done(k):
+                    new[k].append(len(r.prefix) + len(new[k]))
+        return [(ids, [-float(self.step)] * len(ids), done(k), False) for k, ids in enumerate(new)]
+
+
+def setup(monkeypatch, rows=24, **overrides):
+    """A scripted engine carrying answers, its data and a function running one step of draw_and_generate."""
+    cfg = load_config(None, ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token",
+                             f"rollout.n={N}", *[f"{k}={v}" for k, v in overrides.items()]])  # fmt: skip
+    engine = ScriptedEngine()
+    engine.carry = partial.Carry(cfg)
+    answer_of = {}  # which answer of its group a request's prefix list is (the script's lengths need it)
+
+    def encode(processor, example):
+        return SimpleNamespace(row=example, answer_of=answer_of)
+
+    monkeypatch.setattr(rollout, "encode_prompt", encode)
+
+    def continuation(prompt, prefix, group, pinned=False):
+        group_answers = engine.carry.groups[group].answers
+        answer_of[id(prefix)] = next(j for j, a in enumerate(group_answers) if a.ids is prefix)
+        return CONTINUATION(prompt, prefix, group, pinned)
+
+    monkeypatch.setattr(rollout, "Continuation", continuation)
+    processor = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""))
+    sampler = ShardSampler(rows, 0, 1, shuffle=False)
+    state = {"epoch": 0, "position": 0}
+
+    def step(s, need=2):
+        engine.step = s
+        examples, prompts, samples, state["epoch"], state["position"] = partial.draw_and_generate(
+            engine, sampler, list(range(rows)), processor, state["epoch"], state["position"], need, N, None, 0, s
+        )
+        return examples, samples
+
+    return engine, step
+
+
+def test_carried_answers_continue_from_their_tokens_with_the_logprobs_they_were_sampled_with(monkeypatch):
+    """Guards against a carried answer that is sampled afresh instead of continued (its tokens would restart at 0),
+    loses its old tokens' log-probs (trained as if this step's policy had sampled them), or trains before its group
+    is complete (an advantage over fewer than n answers)."""
+    engine, step = setup(monkeypatch)
+    trained, carried_tokens = [], 0
+    for s in range(1, 7):
+        examples, samples = step(s)
+        assert len(examples) == 2 and len(samples) == 2 * N
+        for i, smp in enumerate(samples):
+            row, answer = examples[smp.prompt_index], i % N
+            assert smp.response_ids == list(range(target_length(row, answer)))  # whole, and continued
+            sampled_at = [-lp for lp in smp.logprobs]  # the step that sampled each token (the script's log-prob)
+            assert all(t < s for t in sampled_at[: smp.carried]) and sampled_at == sorted(sampled_at)
+            assert all(t == s for t in sampled_at[smp.carried :])
+            assert smp.staleness == s - sampled_at[0]
+            carried_tokens += smp.carried
+        trained += examples
+    assert carried_tokens > 0  # the script makes answers wait: the check above saw carried tokens
+    assert any(r.prefix for requests in engine.requests for r in requests)  # continued, with their tokens sent
+    assert sorted(trained) == list(range(12))  # every prompt drawn is trained once, in time, none dropped
+
+
+def test_no_token_waits_longer_than_max_staleness(monkeypatch):
+    """Guards against answers that stay cut forever (the step would never wait for them): with max_staleness=1 an
+    answer begun at the last step is not stopped again."""
+    _, step = setup(monkeypatch, **{"rollout.max_staleness": 1, "rollout.partial_reserve": 2.0})
+    for s in range(1, 8):
+        _, samples = step(s)
+        assert all(smp.staleness <= 1 for smp in samples)
+
+
+def test_answers_in_flight_survive_a_checkpoint(monkeypatch):
+    """Guards against a resume that loses the carried answers or changes them: the rank file's state, read back with
+    weights_only=True into a fresh carry, makes the next steps exactly those of the run that went on; an answer
+    older than a lowered bound starts over and is counted."""
+    engine, step = setup(monkeypatch)
+    for s in range(1, 3):
+        step(s)
+    buffer = io.BytesIO()
+    torch.save(engine.carry.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert any(a["ids"] and not a["done"] for g in state["groups"] for a in g["answers"])  # in flight mid-answer
+    went_on = [step(s) for s in range(3, 6)]
+
+    engine2, step2 = setup(monkeypatch)
+    for s in range(1, 3):  # the same data position as the run that saved
+        step2(s)
+    engine2.carry = partial.Carry(load_config(None, ["rollout.partial=true", f"rollout.n={N}"]))
+    engine2.carry.load_state_dict(state)
+    resumed = [step2(s) for s in range(3, 6)]
+    for (ex_a, sm_a), (ex_b, sm_b) in zip(went_on, resumed):
+        assert ex_a == ex_b
+        assert [(x.response_ids, x.logprobs, x.carried) for x in sm_a] == [
+            (x.response_ids, x.logprobs, x.carried) for x in sm_b
+        ]
+    engine2.carry.max_staleness = 1
+    step2(9)
+    assert engine2.stats["rollout/partial_dropped"] > 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.engine=hf"], "needs rollout.engine=vllm"),
+        (["algorithm.rollout_is=none"], "algorithm.rollout_is=token"),
+        (["rollout.tools=[tests/tool_fixtures.py:sleepy]"], "rollout.tools"),
+        (["rollout.max_staleness=0"], "max_staleness=0"),
+    ],
+)
+def test_partial_refuses_what_it_cannot_train_soundly(overrides, message):
+    """Guards against partial rollouts where they cannot stop early (the HF engine), cannot continue an answer
+    (inside a tool turn), or would train stale tokens as on-policy (no correction against the recorded log-probs)."""
+    sizes = ["data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=2"]
+    base = [*sizes, "rollout.partial=true", "rollout.engine=vllm"]
+    for sound in ("algorithm.rollout_is=token", "algorithm.rollout_bypass=true", "algorithm.tis_cap=2"):
+        check_config(load_config(None, [*base, sound]), world_size=2)
+    cfg = load_config(None, [*base, "algorithm.rollout_is=token", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg, world_size=2)
+
+
+def test_carried_tokens_are_corrected_against_their_recorded_logprobs(one_rank_group):
+    """Guards against stale tokens trained as on-policy: with rollout_is=token the weight of a carried token is
+    p_trainer / p_engine at the log-prob recorded when it was sampled (decoupled PPO), and the start guard, which
+    judges the engine by this step's policy, leaves carried tokens out (a resumed run would stop on them)."""
+    cfg = load_config(None, ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token"])
+    recorded = [-3.0, -3.0, -1.0, -1.0]  # two carried tokens from an older policy, two of this step's
+    sample = rollout.Sample(0, [5, 6, 7, 8], recorded, "", False, carried=2)
+    trainer = torch.tensor([[-1.0, -2.5, -1.0, -1.0]])  # (1, T): this step's policy
+    engine = torch.tensor([sample.logprobs])  # what update_policy stacks from the samples
+    stats = dict.fromkeys(mismatch.STATS, 0.0)
+    _, weights = mismatch.measure_and_correct(trainer, engine, torch.ones(1, 4), ["text"], cfg.algorithm, stats)
+    assert torch.allclose(weights, torch.tensor([[2.0, math.exp(0.5), 1.0, 1.0]]))  # truncated at 2 (TIS)
+    prompt = SimpleNamespace(pixel_values=None, pixel_values_videos=None)
+    mismatch.check_start([trainer[0]], [sample], [prompt], bound=0.01, step=1)  # carried gap of 2 nats: no stop
+    with pytest.raises(SystemExit):
+        mismatch.check_start([trainer[0]], [rollout.Sample(0, [5, 6, 7, 8], recorded, "", False)], [prompt], 0.01, 1)
