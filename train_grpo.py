@@ -76,6 +76,7 @@ from runtime import (
     phase,
     print0,
     print_banner,
+    release_host_memory,
     report_stop,
     resolve_path,
     run_rank,
@@ -187,6 +188,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: ranks per engine (contiguous); the groups are data-parallel replicas
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
+    mm_cache_gb: float = 1.0  # vllm: GiB of processed images/videos it keeps per rank, host memory (its default: 4)
     sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
@@ -984,7 +986,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     # SHARED_STATS are already global shares on each rank: sum them over ranks (the balance loss only where it ran)
     shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
-    metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
+    metrics.update(max_over_ranks({"response_length/max": float(max(lengths)), "host/rss_gb": release_host_memory()}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
     # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
     fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
@@ -999,17 +1001,15 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
     tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
     metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
-    metrics.update(
-        {
-            "epoch": epoch,
-            "actor/grad_norm": stats["actor/grad_norm"],
-            "actor/lr": lr,
-            "actor/skipped_steps": stats["actor/skipped_steps"],
-            "actor/optimizer_steps": n_updates,
-            "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
-            "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
-        }
-    )
+    metrics |= {
+        "epoch": epoch,
+        "actor/grad_norm": stats["actor/grad_norm"],
+        "actor/lr": lr,
+        "actor/skipped_steps": stats["actor/skipped_steps"],
+        "actor/optimizer_steps": n_updates,
+        "actor/micro_batches": stats["actor/micro_batches"],  # forward/backward passes, all updates of the step
+        "actor/moved_sequences": stats["actor/moved_sequences"],  # sent to another rank to even out tokens
+    }
     timings["time/step"] = time.perf_counter() - t_step
     metrics.update(max_over_ranks(timings))
     metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
