@@ -266,10 +266,10 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
 # Host memory over a long run (docs/memory.md#host-memory-over-a-long-run).
 
 # oneDNN, through torch's ideep layer, keeps a compiled kernel for each input shape of a CPU convolution, in two caches
-# of 1,024 entries (ideep's LRU_CACHE_CAPACITY, oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY), 25 to 35 KB an entry. The
+# of 1,024 entries (ideep's LRU_CACHE_CAPACITY, oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY), tens of KB an entry. The
 # vision tower's patch embedding is such a convolution over all patches of a micro-batch, a count that is new almost
-# every time: a CPU run filled them by about 1 MB a step for hundreds of steps. The shapes rarely repeat, so a few
-# entries lose nothing. The libraries read the variables at their first convolution: set before any.
+# every time: the CPU demo's heap in use grew by 0.5 MB a step for hundreds of steps. The shapes rarely repeat, so a
+# few entries lose nothing. The libraries read the variables at their first convolution: set before any.
 KERNEL_CACHE_ENTRIES = 16
 
 
@@ -282,8 +282,8 @@ def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES):
 def release_host_memory() -> float:
     """Give the heap's free pages back to the system (glibc's malloc_trim) and return this process's resident memory
     then, in GB. A step frees hundreds of MB of tensors of ever-changing sizes; glibc keeps the pages between the
-    blocks still in use, and on CPU that heap grew by 0.5 MB a step of pages nothing used. Milliseconds, once a step;
-    without glibc (musl, macOS) the memory is only measured."""
+    blocks still in use, and the CPU demo's heap grew by about 0.5 MB a step of pages nothing used. Tens of
+    milliseconds, once a step; without glibc (musl) the memory is only measured."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
