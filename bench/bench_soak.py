@@ -3,11 +3,13 @@
 
     python bench/bench_soak.py                          # the demo, 600 steps (assets built when missing)
     python bench/bench_soak.py --demo video --steps 300 # the video or the tool demo (make demo-video / demo-tools)
+    python bench/bench_soak.py --report outputs/soak_tiny 100   # the figures of a run again (one cut short too)
 
 The ranks run train_grpo.main() under a hook that, after each step's log, appends the step, RSS and glibc's heap
 figures (bytes in use vs. free inside its arenas) to <out>/rss_rank<r>.jsonl. The growth printed is of RSS's anonymous
-part (RssAnon: the heap, tensors, caches): its file-backed part is the libraries' code and mapped files, which the
-system drops and rereads as other processes need memory (400 MB of a rank's RSS once went that way here).
+part (RssAnon: the heap, tensors, caches), as medians of 11 steps (see report): its file-backed part is the
+libraries' code and mapped files, which the system drops and rereads as other processes need memory (400 MB of a
+rank's RSS once went that way here).
 Switches for finding where memory goes, by environment variable:
     SOAK_TRACEMALLOC=N  tracemalloc snapshots every N steps: the top growth by traceback, <out>/tracemalloc_rank<r>.txt
     SOAK_MALLOC_TRIM=1  glibc's malloc_trim(0) after every step (the trainer does it too: for runs of older code)
@@ -17,6 +19,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -147,21 +150,32 @@ def main():
            "trainer.save_freq=0", "trainer.export_hf=false", *args.overrides]  # fmt: skip
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, env=env, check=True)
-    growth, last = [], 0
+    report(args.out, args.from_step)
+
+
+def report(out_dir, from_step):
+    """Each rank's growth: the median of the last 11 steps' anonymous RSS minus that of the 11 steps around
+    `from_step`. Medians, because a step that validates ends with its validation's freed heap not yet given back
+    (the trainer trims at each step's metrics, before validating): tens of MB for one step, not growth."""
+    growth = []
     for r in range(2):
-        with open(os.path.join(args.out, f"rss_rank{r}.jsonl")) as f:
-            rows = {row["step"]: row for row in map(json.loads, f)}
-        last = max(rows)
-        start = rows[min(args.from_step, last)]
-        growth.append(rows[last]["anon_mb"] - start["anon_mb"])
-        a, b = start, rows[last]
-        print(f"rank {r}, MB at steps {a['step']} and {last}: RSS {a['rss_mb']:.0f} and {b['rss_mb']:.0f}, of it "
-              f"anonymous {a['anon_mb']:.0f} and {b['anon_mb']:.0f}")  # fmt: skip
-    print(f"RSS growth per rank, step {start['step']} to {last}, MB: " + " ".join(f"{g:.1f}" for g in growth))
+        with open(os.path.join(out_dir, f"rss_rank{r}.jsonl")) as f:
+            rows = sorted((row["step"], row) for row in map(json.loads, f))
+        last = rows[-1][0]
+        start = [row["anon_mb"] for step, row in rows if abs(step - min(from_step, last)) <= 5]
+        end = [row["anon_mb"] for _, row in rows[-11:]]
+        growth.append(statistics.median(end) - statistics.median(start))
+        print(
+            f"rank {r}: anonymous RSS around step {from_step} {statistics.median(start):.0f} MB, over the last 11 "
+            f"steps to {last} {statistics.median(end):.0f} MB (RSS at the last {rows[-1][1]['rss_mb']:.0f} MB)"
+        )
+    print(f"RSS growth per rank, step {from_step} to {last}, MB: " + " ".join(f"{g:.1f}" for g in growth))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         rank_main(sys.argv[2:])
+    elif len(sys.argv) > 1 and sys.argv[1] == "--report":  # --report OUT_DIR [FROM_STEP]: a run's figures again
+        report(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 100)
     else:
         main()
