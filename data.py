@@ -24,7 +24,12 @@ data file's directory), path strings, raw bytes or PIL images; a missing `images
 problem has none): each a list of frames or a video file, sampled and resized by video.py to the video budget
 (video_fps, max_frames, video_min_pixels, video_max_pixels), apart from the images' budget.
 A bad row (missing or empty field, mark/image or mark/video mismatch, an image or video that does not decode, a video
-without frames) is skipped with a warning naming file and row; only when no row survives is it an error.
+without frames) is skipped with a warning naming file and row; only when no row survives is it an error. A configured
+key that no row of a file has is an error at once (MissingColumn, naming the file, the key and the columns it has):
+the prompt or answer key always; the image or video key when it is not the default, or when the default is absent
+but another column holds images (a forgotten data.image_key would otherwise train text-only).
+A reward function may ask for the row's other columns (reward.keyword_columns): `columns` names those an Example
+keeps (`True`: all of them), as the file has them.
 
 Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
 decoded again in `__getitem__`, so eight ranks do not each hold every decoded image; videos likewise (decoded and
@@ -53,6 +58,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from media import image_source, open_image, to_rgb
+from runtime import Stop
 from video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -63,6 +69,7 @@ IMAGE_MARK = "<image>"
 MIN_SIDE = 28
 MAX_ASPECT_RATIO = 100
 WARNINGS_PER_FILE = 10  # a wrong key name makes every row bad: say so ten times, then count the rest
+DEFAULT_KEYS = {"image_key": "images", "video_key": "videos"}  # absent in text-only data: no error
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,6 +259,21 @@ class BadRow(ValueError):
     pass
 
 
+class MissingColumn(Stop):
+    """A configured key that no row of a file has: every row would be bad, or every image silently left out. Every
+    rank reads the same files and finds the same, so the run stops with this one line, said once."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
+
+def looks_like_images(value) -> bool:
+    """A column value as images are stored: an {"bytes", "path"} struct, raw bytes, or a list of them."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return isinstance(value, (bytes, Image.Image)) or isinstance(value, dict) and "bytes" in value
+
+
 def row_value(row: dict, key: str):
     """`row[key]`; a dotted key reaches into struct columns (`reward_model.ground_truth`, as verl stores the answer).
     A column whose own name has a dot is found first."""
@@ -309,6 +331,7 @@ class Example:
     source: str  # "path/to/file.parquet:17" or "name@split:17"
     num_prompt_tokens: int  # after the processor expands each <|image_pad|> and <|video_pad|>
     videos: list[Video] = field(default_factory=list)  # sampled and resized, one per `<video>` mark
+    columns: dict = field(default_factory=dict)  # the row's columns a reward function asks for, as the file has them
 
 
 class PromptDataset:
@@ -316,6 +339,8 @@ class PromptDataset:
 
     `n_skipped` counts bad rows, `n_overlong` prompts longer than `max_prompt_length` tokens (dropped when
     `filter_overlong_prompts`). Sets `processor`'s pixel range to [min_pixels, max_pixels] (see module docstring).
+    `columns`: the row's columns each Example keeps for the reward (True: all). `sample_rows` > 0 parses only that
+    many rows of each file, spread evenly (a dry run's check); the key check still reads every row.
     """
 
     def __init__(
@@ -338,6 +363,8 @@ class PromptDataset:
         video_max_pixels: int = 65536,
         max_prompt_length: int = 2048,
         filter_overlong_prompts: bool = True,
+        columns: bool | frozenset[str] = frozenset(),
+        sample_rows: int = 0,
     ):
         specs = [files] if isinstance(files, str) else list(files)
         self.processor = processor
@@ -352,6 +379,7 @@ class PromptDataset:
         self.prompt_key, self.answer_key, self.image_key, self.video_key = prompt_key, answer_key, image_key, video_key
         self.system_prompt = system_prompt
         self.tools = {"tools": tools} if tools else {}  # the tools' schemas, for a chat template that presents them
+        self.columns, self.sample_rows = columns, sample_rows
 
         examples, sources, image_sizes, video_tokens = self.read_examples(specs)
         self.image_sources, self.video_sources = [s[0] for s in sources], [s[1] for s in sources]
@@ -376,6 +404,9 @@ class PromptDataset:
         for spec in specs:
             for part in local_files(spec) or [spec]:
                 rows, name = load_rows(part)
+                self.check_keys(rows, name)
+                if self.sample_rows and len(rows) > self.sample_rows:
+                    rows = rows[:: len(rows) // self.sample_rows][: self.sample_rows]
                 base_dir = os.path.dirname(part) if os.path.exists(part) else None
                 bad = []
                 for i, row in enumerate(rows):
@@ -395,6 +426,24 @@ class PromptDataset:
         if not examples:
             raise ValueError(f"no usable rows in {', '.join(specs)}: {first_bad or 'no rows at all'}")
         return examples, all_sources, image_sizes, video_tokens
+
+    def check_keys(self, rows: list, name: str) -> None:
+        """MissingColumn for a configured key no row of the file has (see the module docstring)."""
+        rows = [row for row in rows if isinstance(row, dict)]
+        have = sorted({k for row in rows for k in row})
+        for option in ("prompt_key", "answer_key", "image_key", "video_key"):
+            key = getattr(self, option)
+            if any(row_value(row, key) is not None for row in rows):
+                continue
+            if key == DEFAULT_KEYS.get(option):  # text-only data, unless its images are in another column
+                others = [k for k in have if k not in (self.prompt_key, self.answer_key, self.video_key)]
+                first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in others}
+                images = [k for k in others if option == "image_key" and looks_like_images(first[k])]
+                if not images:
+                    continue
+                raise MissingColumn(f"{name}: no row has data.{option}={key!r}, but column {images[0]!r} holds "
+                                    f"images: set data.{option}={images[0]} (the file's columns: {have})")  # fmt: skip
+            raise MissingColumn(f"{name}: no row has data.{option}={key!r}; the file's columns: {have}")
 
     def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, tuple, list, list[int]]:
         """Check one row; return its Example (images and videos still empty), its (image, video) sources, original
@@ -443,7 +492,8 @@ class PromptDataset:
         if self.system_prompt and turns[0][0] != "system":  # a system turn in the data replaces the default one
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **self.tools)
-        example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0)
+        kept = {k: v for k, v in row.items() if self.columns is True or k in self.columns} if self.columns else {}
+        example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0, columns=kept)
         return example, (sources, v_sources), sizes, v_tokens
 
     def load_video(self, source) -> Video:

@@ -17,7 +17,10 @@ What is exact and what is estimated:
   gradients in flight (FSDP2 reduce-scatters them in fp32), the activations of one micro-batch (as if every token
   of the budget were an image token: the worst case the config allows), the chunked LM head, vLLM's share while
   awake (exactly what it takes: rollout.gpu_memory_utilization of the device) and a fixed RUNTIME for the CUDA
-  context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free.
+  context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free. The weight
+  sync's layer reload (reload_peak: vLLM's largest layer, whole as sent and again as materialised) and, at sleep level
+  1, vLLM's pinned host copy of its weights: torch's power-of-two rounding of each block exactly, vLLM's allocations
+  modelled from the model's tensors (vllm_tensors, pinned_copy).
 
 Videos cost what images cost per token: an LM token of a clip is merge^2 patches (each of temporal_patch frames),
 as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the
@@ -352,6 +355,68 @@ def lora_params(s: ModelShape, rank: int, targets) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# What vLLM holds beside its weights, asleep at level 1 and while the weight sync reloads them.
+
+
+def pinned_block(n: int) -> int:
+    """Bytes torch's pinned-memory allocator takes for a request of n: the next power of two (CachingHostAllocator
+    .allocate, torch 2.11-2.14: c10::llvm::PowerOf2Ceil; 2.14's pinned_max_round_threshold is unlimited by default).
+    A freed block stays cached for the next request of its power of two, never given back."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def pinned_copy(n: int) -> float:
+    """Bytes of vLLM's level-1 sleep copy for a tensor of n bytes: CuMemAllocator.sleep (vLLM 0.26-0.33) pins one
+    host tensor per allocation of its pool, and an allocation is a segment of torch's CUDA caching allocator: a tensor
+    over 10 MiB its own, rounded up to 2 MiB; one of 1-10 MiB a share of a 20 MiB segment; a smaller one of a 2 MiB
+    segment (c10/cuda/CUDACachingAllocator.cpp: kMinLargeAlloc, kLargeBuffer, kSmallBuffer, kRoundLarge)."""
+    mib = 2**20
+    if n >= 10 * mib:
+        return pinned_block(-(-n // (2 * mib)) * 2 * mib)
+    return n * pinned_block(20 * mib) / (20 * mib) if n > mib else n  # (2 MiB is a power of two already)
+
+
+def vllm_tensors(s: ModelShape) -> list[int]:
+    """Elements of the tensors vLLM holds for the model (before its TP split), its fusions applied: q, k, v as one;
+    gate and up as one (the vision tower's too); Qwen3.5's in_proj_qkv and in_proj_z, in_proj_b and in_proj_a; a
+    layer's experts as w13 and w2. Last, the parameters in none of these (norms, biases, routers, convolutions,
+    position tables): small tensors, whose segments cost what they hold."""
+    fused = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"),
+             ("in_proj_b", "in_proj_a")]  # fmt: skip
+    out = [s.vocab * s.hidden] * (1 if s.tied else 2)
+    for layer in _decoder_linears(s):
+        alone = set(layer) - {name for group in fused if set(group) <= set(layer) for name in group}
+        out += [sum(layer[g][0] * layer[g][1] for g in group) for group in fused if set(group) <= set(layer)]
+        out += [a * b for name, (a, b) in layer.items() if name in alone]
+    experts = s.experts * s.hidden * s.expert_intermediate
+    out += [2 * experts, experts] * (s.layers if s.experts else 0)
+    tower = [a * b for _, (a, b) in _tower_linears(s)]
+    names = [name for name, _ in _tower_linears(s)]
+    for i, name in enumerate(names):
+        if name == "gate_proj":  # (followed by its up_proj)
+            tower[i], tower[i + 1] = tower[i] + tower[i + 1], 0
+    out += [n for n in tower if n]
+    return out + [count_params(s)["total"] - sum(out)]
+
+
+def vllm_sleep_copy(s: ModelShape, tp: int) -> float:
+    """Pinned host bytes of vLLM's level-1 sleep: every tensor's TP slice in bf16, as its segment, rounded up to a
+    power of two by torch's pinned allocator. Up to twice the weights (Qwen2.5-VL-7B at TP 2: 14.3 GiB for 7.7)."""
+    *big, rest = vllm_tensors(s)
+    return sum(pinned_copy(2 * n // tp) for n in big) + 2 * rest / tp
+
+
+def reload_peak(s: ModelShape, tp: int) -> float:
+    """What vLLM's weight sync holds beside its weights. Its layer-wise reload (model_loader/reload/layerwise.py,
+    0.26-0.33) keeps every tensor the sync sends a layer (full, bf16) until the layer has them all, then materialises
+    the layer's own copy (its TP slice) to load them into, before copying that into the weights in place: the largest
+    layer's bf16 weights, once whole and once split. A fused-MoE layer is all its experts, though they come one at a
+    time (1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B); a dense model's largest is its embedding."""
+    largest = max(s.vocab * s.hidden, 3 * s.experts * s.hidden * s.expert_intermediate, 2 * s.hidden * s.intermediate)
+    return 2 * largest * (1 + 1 / tp)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The plan: pure arithmetic on the model's shape and the run's settings, in bytes.
 
 
@@ -422,8 +487,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "adam": 2 * b * trains["total"] / x.world,  # exp_avg and exp_avg_sq
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
     }
-    # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py); the
-    # moments stay there but for each optimizer step
+    # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py's
+    # arenas, their exact size; pinned on CUDA); the moments stay there but for each optimizer step
     offloaded = {
         "params": states["params"] if x.offload_params and with_vllm else 0,  # the hf engine generates with them
         "reference": states["reference"] if x.offload_params and with_vllm else 0,
@@ -491,14 +556,17 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         phases["optimizer step"] = {**states, "runtime": RUNTIME}
     generating = {k: v - offloaded.get(k, 0) for k, v in states.items()}
     if with_vllm:
-        if any(offloaded.values()):
-            # the sync reads the policy's shards before they leave: vLLM's weights (its KV cache still asleep) beside
-            # the whole state and one full bf16 tensor, the largest (the embedding)
+        if any(offloaded.values()) or not x.vllm_bytes:
+            # the sync reads the policy's shards before they leave: vLLM's weights (its KV cache still asleep, unless
+            # it never sleeps) beside the whole state and what the reload of one layer holds (the full tensors sent,
+            # its materialised copy). (A CPU run's engine holds its weights and KV cache in one figure: only with
+            # offloading, as before.)
+            vllm = {"vllm awake": awake} if x.sleep_level == 0 else {"vllm weights": 2 * n["total"] / x.tp}
             phases["weight sync"] = {
                 **resident,
                 "grads": 0,
-                "vllm weights": 2 * n["total"] / x.tp,
-                "gathered": 2 * s.vocab * s.hidden,
+                **vllm,
+                "layer reload": reload_peak(s, x.tp),
                 "runtime": RUNTIME,
             }
         phases["rollout"] = {**generating, "grads": 0, "vllm awake": awake, "runtime": RUNTIME}
@@ -515,12 +583,13 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         }
     # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
     # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
-    # (pinned, bf16, its TP slice), which the engine made before the trainer's model loads
+    # (pinned, bf16, its TP slice, each block a power of two), which the engine made before the trainer's model
+    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers)
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
         "read buffer": 2 * s.vocab * s.hidden,
-        "vllm sleep copy": 2 * n["total"] / x.tp if with_vllm and x.sleep_level == 1 else 0,
+        "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
     }
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
@@ -591,7 +660,7 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
     if not x.checkpointing and fits(checkpointing=True):
         out.append(("activations", "set actor.gradient_checkpointing=true"))
     if x.engine == "vllm" and x.sleep_level == 0 and fits(sleep_level=1):
-        out.append(("vllm awake", "set rollout.sleep_level=1 (vLLM gives its memory back while the trainer works)"))
+        out.append(("vllm awake", "set rollout.sleep_level=-1 (vLLM gives its memory back while the trainer works)"))
     if x.engine == "hf" and fits(engine="vllm"):
         out.append(("kv cache", "set rollout.engine=vllm"))
     world = _largest(x.world, 1 << 16, lambda v: not fits(world=v))  # the largest world that still does not fit
@@ -627,6 +696,15 @@ def gpus_per_node(configured: int) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else DEFAULT_GPUS
 
 
+def planned_world(trainer, dry_run: bool) -> int:
+    """The ranks the config checks and the plan are for: a dry run's trainer.nnodes x GPUs per node when nnodes is
+    set, else the launcher's (WORLD_SIZE, SLURM_NTASKS), else one node for a dry run and one rank for a run."""
+    if dry_run and trainer.nnodes > 0:
+        return trainer.nnodes * gpus_per_node(trainer.n_gpus_per_node)
+    launched = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "0")))
+    return launched or (gpus_per_node(trainer.n_gpus_per_node) if dry_run else 1)
+
+
 def gpu_memory(configured_gib: float) -> tuple[float, str]:
     """Bytes of one GPU and where the number came from: trainer.gpu_memory_gib, else CUDA, else DEFAULT_GPU_GIB."""
     import torch
@@ -648,6 +726,8 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
     memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
+    from rollout import sleep_level_for
+
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
     shape = read_model_shape(a.model_path)
     seq_len = d.max_prompt_length + d.max_response_length
@@ -682,7 +762,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         ref_offload=a.ref_offload,
         engine=r.engine,
         vllm_util=r.gpu_memory_utilization,
-        sleep_level=r.sleep_level,
+        sleep_level=sleep_level_for(r.sleep_level, a.lora_rank),
         tp=r.tensor_parallel_size,
         seq_len=seq_len,
         response_len=d.max_response_length,
@@ -808,13 +888,19 @@ def plan_problem(plan: Plan) -> str | None:
             f"rollout.gpu_memory_utilization={x.vllm_util} gives vLLM {_gib(x.vllm_util * x.gpu_bytes)} GiB, less "
             f"than its weights and one sequence's KV cache ({_gib(numbers['vllm_min'])} GiB): raise it to >= {need}"
         )
-    # at load, or while generating (the offloaded state, vLLM's sleep copy being back on the GPU then)
-    host = x.ranks_per_node * max(sum(numbers["host"].values()), sum(numbers["offloaded"].values()))
+    # at load, or from the first offload on (the arenas, beside vLLM's sleep copy, which torch keeps cached)
+    running = sum(numbers["offloaded"].values()) + numbers["host"]["vllm sleep copy"]
+    host = x.ranks_per_node * max(sum(numbers["host"].values()), running)
     if plan.host_limit and host > plan.host_limit:
         return (
-            f"host memory at load, {_gib(host)} GiB per node, is over the {_gib(plan.host_limit)} GiB this Slurm job "
-            f"may use (--mem): ask for more, or set rollout.sleep_level=2 (no host copy of vLLM's weights, "
-            f"{_gib(x.ranks_per_node * numbers['host']['vllm sleep copy'])} GiB)"
+            f"host memory, {_gib(host)} GiB per node (at load, or with the state offloaded), is over the "
+            f"{_gib(plan.host_limit)} GiB this Slurm job may use (--mem): ask for more"
+            + (
+                f", or set rollout.sleep_level=2 (no host copy of vLLM's weights, "
+                f"{_gib(x.ranks_per_node * numbers['host']['vllm sleep copy'])} GiB)"
+                if numbers["host"]["vllm sleep copy"]
+                else ""
+            )
         )
     over = _phase_over(plan.shape, x)
     if over is None:

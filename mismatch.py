@@ -9,11 +9,16 @@ hours on a falling reward without an error. So this module
    (http://joschu.net/blog/kl-approx.html), token-mean;
  - stops the run at its first step (and the first after a resume) when the mismatch KL of a prompt's answers is
    beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality;
+ - watches every later optimizer step the same way, on each modality's mean, and stops the run there or skips the
+   optimizer step (algorithm.mismatch_action): an engine whose state goes bad mid-run (stale caches after a sync, a
+   linear-attention state restored as garbage after a wake) otherwise trains the run on garbage for hours;
  - corrects what remains as verl 0.9 does (verl/trainer/ppo/rollout_corr_helper.py), on log_ratio = old_logp -
    rollout_logp: importance weights per token or per sequence, truncated at a bound (TIS,
    https://fengyao.notion.site/off-policy-rl) or zeroed outside a range (IcePop), and rejection of the tokens or
    whole sequences whose divergence passes a threshold.
-Tensors are (B, T) response positions with a (B, T) mask of real tokens, as in train_grpo.py.
+Tensors are (B, T) response positions with a (B, T) mask of real tokens, as in train_grpo.py. Only the tokens an
+answer's own step sampled measure the engine: the first `carried` of a sample continued from earlier steps (partial
+rollouts) were sampled under older weights, and their engine log-probs belong to that older policy.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from batching import mask_tool_turns
+from batching import mask_tool_turns, stack_padded
 from runtime import Stop, print0
 
 SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
 MODALITIES = ("text", "image", "video")  # a sample with a video counts as video, one with images as image
 IS_LEVELS = ("none", "token", "sequence")
+ACTIONS = ("stop", "skip")  # algorithm.mismatch_action: what a later step past algorithm.mismatch_guard does
 RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # fmt: skip
 
@@ -37,12 +43,22 @@ RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq
 STATS = (
     *(f"mismatch/{m}/{k}" for m in MODALITIES for k in ("tokens", "diff_sum", "kl_sum", "diff_max")),
     "mismatch/seqs",
+    "mismatch/mask_tokens",  # the tokens the corrections act on: the loss mask's, carried ones too
     "mismatch/rs_tokens",
     "mismatch/rs_seqs",
     "mismatch/is_sum",
     "mismatch/is_sq_sum",
     "mismatch/is_clipped",
 )
+# Kept by watch() on each rank and never summed over ranks: how much of each modality's gap (tokens, k3 sum) it has
+# judged so far this step, so that it judges each optimizer step's samples alone; the optimizer steps it let through
+# and those it skipped (the same on every rank: its decisions are collective)
+WATCH_STATS = (
+    *(f"mismatch/{m}/judged_{k}" for m in MODALITIES for k in ("tokens", "kl_sum")),
+    "mismatch/passed_steps",
+    "mismatch/skipped_steps",
+)
+STATS += WATCH_STATS
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -193,7 +209,9 @@ def config_problem(alg) -> str | None:
     if alg.tis_cap < 0 or (alg.tis_cap > 0 and alg.rollout_is != "none"):
         return f"algorithm.tis_cap={alg.tis_cap} is rollout_is=token at that cap: set it to 0 with rollout_is, or >= 0"
     if alg.mismatch_guard < 0:
-        return f"algorithm.mismatch_guard={alg.mismatch_guard} must be >= 0 (0 turns the start check off)"
+        return f"algorithm.mismatch_guard={alg.mismatch_guard} must be >= 0 (0 turns the mismatch checks off)"
+    if alg.mismatch_action not in ACTIONS:
+        return f"algorithm.mismatch_action={alg.mismatch_action!r}; valid: {', '.join(ACTIONS)}"
     level, threshold = is_setting(alg)
     if alg.rollout_bypass and level != "none":
         return (
@@ -217,10 +235,19 @@ def config_problem(alg) -> str | None:
 def _gap(trainer_logp, engine_logp, mask):
     """(|log ratio|, k3) per token, 0 off the mask: x = log(p_trainer / p_engine) clamped to +-20, and the mismatch KL
     term exp(x) - 1 - x, the k3 estimate of KL(engine || trainer) on the engine's samples. In float64: in fp32,
-    exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0."""
-    mask = mask.to(torch.float64)
-    x = (trainer_logp.double() - engine_logp.double()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return x.abs() * mask, (torch.expm1(x) - x) * mask
+    exp(x) - 1 - x of an fp32-sized gap (x ~ 1e-7, k3 ~ 5e-15) rounds to 0. where() rather than a product: a NaN
+    off the mask (a carried token's old log-prob, padding) stays out."""
+    x = torch.where(mask.bool(), trainer_logp.double() - engine_logp.double(), 0.0)  # (B, T)
+    x = x.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return x.abs(), torch.expm1(x) - x
+
+
+def fresh(mask, carried) -> torch.Tensor:
+    """`mask` (B, T) without each row's first carried[b] positions, the tokens sampled at earlier steps under older
+    weights (partial rollouts): their engine log-probs are an older policy's, which no trainer log-prob of the
+    weights that sampled this step's tokens can judge."""
+    pos = torch.arange(mask.shape[-1], device=mask.device)  # (T,)
+    return mask * (pos >= torch.as_tensor(carried, device=mask.device)[:, None]).to(mask.dtype)  # (B, T)
 
 
 def measure(trainer_logp, engine_logp, mask, kinds, stats) -> None:
@@ -237,13 +264,19 @@ def measure(trainer_logp, engine_logp, mask, kinds, stats) -> None:
         stats[f"mismatch/{m}/diff_sum"] += diff_sum
         stats[f"mismatch/{m}/kl_sum"] += kl_sum
         stats[f"mismatch/{m}/diff_max"] = max(stats[f"mismatch/{m}/diff_max"], top)
+
+
+def measure_and_correct(trainer_logp, mask, prompts, samples, mb, alg, stats):
+    """The micro-batch `mb` (indices into `samples`, whose prompts are `prompts`): measure the gap of the trainer's
+    log-probs `trainer_logp` (B, T) to the engine's on the tokens each answer's own step sampled, then the corrections
+    algorithm.rollout_* asks for. Returns the loss mask without the rejected tokens (B, T) and the importance weights
+    (B, T), or None without them."""
+    samples = [samples[i] for i in mb]
+    engine_logp = stack_padded([torch.tensor(s.logprobs) for s in samples], mask.shape[1], mask.device)  # (B, T)
+    kinds = [modality(prompts[s.prompt_index]) for s in samples]
+    measure(trainer_logp, engine_logp, fresh(mask, [s.carried for s in samples]), kinds, stats)
     stats["mismatch/seqs"] += (mask.sum(-1) > 0).sum().item()
-
-
-def measure_and_correct(trainer_logp, engine_logp, mask, kinds, alg, stats):
-    """One micro-batch: measure the gap, then the corrections algorithm.rollout_* asks for. Returns the loss mask
-    without the rejected tokens (B, T) and the importance weights (B, T), or None without them."""
-    measure(trainer_logp, engine_logp, mask, kinds, stats)
+    stats["mismatch/mask_tokens"] += mask.sum().item()
     log_ratio = trainer_logp - engine_logp  # (B, T)
     level, threshold = is_setting(alg)
     weights = None
@@ -266,9 +299,9 @@ def measure_and_correct(trainer_logp, engine_logp, mask, kinds, alg, stats):
 
 
 def _over_ranks(stats) -> dict[str, float]:
-    """STATS summed (maxima: the max) over ranks. Collective: one SUM and one MAX all_reduce, which every rank makes
-    with every key, whichever modalities it holds."""
-    sum_keys = [k for k in STATS if not k.endswith("_max")]
+    """STATS but WATCH_STATS summed (maxima: the max) over ranks. Collective: one SUM and one MAX all_reduce, which
+    every rank makes with every key, whichever modalities it holds."""
+    sum_keys = [k for k in STATS if not k.endswith("_max") and k not in WATCH_STATS]
     max_keys = [k for k in STATS if k.endswith("_max")]
     sums = torch.tensor([float(stats[k]) for k in sum_keys], dtype=torch.float64)
     maxes = torch.tensor([float(stats[k]) for k in max_keys], dtype=torch.float64)
@@ -298,7 +331,9 @@ def step_metrics(stats, alg) -> dict[str, float]:
     """The step's mismatch and correction metrics over all ranks (collective, _over_ranks)."""
     total = _over_ranks(stats)
     metrics = _gap_metrics(total)
-    tokens = max(sum(total[f"mismatch/{m}/tokens"] for m in MODALITIES), 1)
+    tokens = max(total["mismatch/mask_tokens"], 1)
+    if alg.mismatch_action == "skip" and alg.mismatch_guard > 0:  # decided together: the same on every rank
+        metrics["actor/mismatch_skipped_steps"] = stats["mismatch/skipped_steps"]
     if rs_modes(alg.rollout_rs):
         metrics["rollout/rs_rejected_token_frac"] = total["mismatch/rs_tokens"] / tokens
         metrics["rollout/rs_rejected_seq_frac"] = total["mismatch/rs_seqs"] / max(total["mismatch/seqs"], 1)
@@ -333,6 +368,7 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
         engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
         mask = torch.ones_like(engine)  # (T,)
         mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
+        mask[: s.carried] = 0  # sampled at earlier steps: an older policy's log-probs
         measure(logp[None], engine[None], mask[None], [kind], stats)
         group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
         group[1] += _gap(logp, engine, mask)[1].sum().item()
@@ -340,7 +376,8 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens in groups.values():
         i = MODALITIES.index(kind)
-        worst[i] = max(worst[i].item(), kl_sum / max(tokens, 1))
+        kl = kl_sum / max(tokens, 1)
+        worst[i] = max(worst[i].item(), kl if not math.isnan(kl) else math.inf)  # NaN: garbage, past any bound
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     metrics = _gap_metrics(_over_ranks(stats))
     present = [(m, metrics[f"rollout/mismatch_kl/{m}"], w) for m, w in zip(MODALITIES, worst.tolist())
@@ -355,6 +392,51 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
                 f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
                 f"algorithm.mismatch_guard, or 0 turns this check off."
             )
+
+
+LATER_CAUSES = (
+    "The run's first step passed the start check, so the engine's state went bad after it: caches kept from older "
+    "weights after a weight sync, a model state (Qwen3.5's linear attention) restored as garbage (NaN or zeros) "
+    "after a wake, a weight sync that missed weights, or media lost on the way to the engine for this batch."
+)
+
+
+def watch(stats, alg, step) -> bool:
+    """The guard of every step, at each optimizer step between its backward and the step: True when the optimizer
+    may step. It judges each modality's mean mismatch KL over the model's own fresh tokens of the samples this
+    optimizer step trains on (those measure_and_correct measured since the last call), all ranks together; past
+    algorithm.mismatch_guard it stops every rank (algorithm.mismatch_action=stop) or warns and returns False (skip:
+    the caller must not step, and its zero_grad drops the gradients). Under rollout_bypass the trainer's side of the
+    gap is the current policy, which is the one that sampled only until an optimizer step of this step changes it:
+    after that the gap holds the policy's own drift, and the watch stays quiet. Collective (one all_reduce) whenever
+    the guard is on: every rank decides the same, on the same figures."""
+    keys = [(f"mismatch/{m}/{k}", f"mismatch/{m}/judged_{k}") for m in MODALITIES for k in ("tokens", "kl_sum")]
+    new = torch.tensor([stats[k] - stats[judged] for k, judged in keys], dtype=torch.float64)  # (M * 2,)
+    for k, judged in keys:
+        stats[judged] = stats[k]
+    if alg.mismatch_guard <= 0 or (alg.rollout_bypass and stats["mismatch/passed_steps"] > 0):
+        stats["mismatch/passed_steps"] += 1
+        return True
+    dist.all_reduce(new)
+    means = {m: kl / tokens for m, (tokens, kl) in zip(MODALITIES, new.view(-1, 2).tolist()) if tokens > 0}
+    # NaN (an engine state gone to garbage) counts as past the bound: NaN > bound would be False
+    over = sorted(((kl, m) for m, kl in means.items() if not kl <= alg.mismatch_guard), reverse=True)
+    if not over:
+        stats["mismatch/passed_steps"] += 1
+        return True
+    (kl, m), others = over[0], ", ".join(f"the {m} samples {kl:.3g}" for kl, m in over[1:])
+    others = f" ({others})" if others else ""
+    figure = (f"the {m} samples of step {step} have a mean mismatch KL of {kl:.3g} over the model's tokens{others}, "
+              f"above algorithm.mismatch_guard={alg.mismatch_guard:g}")  # fmt: skip
+    if alg.mismatch_action == "skip":
+        print0(f"warning: {figure}: optimizer step skipped (algorithm.mismatch_action=skip)")
+        stats["mismatch/skipped_steps"] += 1
+        return False
+    raise Stop(
+        f"error: engine/trainer mismatch: {figure}, which differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 "
+        f"~1e-12). {LATER_CAUSES} Raise algorithm.mismatch_guard (0 turns the checks off), or "
+        f"algorithm.mismatch_action=skip skips such optimizer steps and trains on."
+    )
 
 
 def engine_logps(samples) -> list[torch.Tensor]:

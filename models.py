@@ -221,7 +221,10 @@ def varlen_packed(module, query, key, value, attention_mask, position_ids=None, 
     query (1, Hq, L, D), key/value (1, Hkv, L, D) -> (1, L, Hq, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (L, heads, D)
+    # Contiguous (L, heads, D), what every backend of varlen_attn takes: torch 2.14 sends full attention with equal
+    # heads and max_q > 128 on sm90/sm100 to cuDNN (varlen.py _can_use_cudnn), and the vision tower's v is a strided
+    # view of its fused qkv there (the decoder's are contiguous already: no copy)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     scale = kwargs.get("scaling")
     if kwargs.get("cu_seq_lens_q") is not None:  # the vision tower (under VISION_VARLEN): full attention per chunk
         cu, max_len = kwargs["cu_seq_lens_q"].to(torch.int32), int(kwargs["max_length_q"])

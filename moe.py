@@ -13,7 +13,7 @@ Checkpoints store them in one of three layouts, and from_pretrained converts whi
 models.load_weights reads a rank's experts from any of them (read_experts), and checkpoint.save_hf writes them back
 in the layout the checkpoint had (export_pieces), so that from_pretrained and vLLM load an export as they loaded the
 original. The weight sync streams them to vLLM one expert at a time (stream_experts), in the per-expert names, which
-vLLM's loaders take for both families.
+vLLM's loaders take for both families (vLLM still holds a whole layer's experts, twice, until the layer is loaded).
 
 The experts' forward is transformers' own (`experts_implementation`), chosen per device by experts_implementation:
 its grouped GEMM on CUDA, its loop over the experts on CPU.
@@ -101,9 +101,11 @@ def stream_experts(name: str, param, dtype, delta=None):
     the per-expert checkpoint tensors (`experts.{e}.gate_proj.weight` (I, H), `up_proj`, `down_proj` (H, I)), in
     `dtype`; with `delta` (e -> expert e's LoRA update (out, in), lora.expert_deltas) each merged into its expert in
     fp32 first. Collective under FSDP2: every rank of the shard group must iterate it to the end. Each expert is
-    broadcast from the rank whose dim-0 shard holds it, so a rank holds one expert's tensor beside vLLM's weights,
-    never the whole gathered parameter (a layer's experts are most of its weights: 1.2 GB of bf16 per layer of
-    Qwen3-VL-30B-A3B)."""
+    broadcast from the rank whose dim-0 shard holds it, so the trainer never gathers the whole parameter; but vLLM's
+    layer-wise reload (model_loader/reload/layerwise.py, 0.26-0.33) keeps every tensor it is sent until the layer is
+    whole and then materialises the layer's own copy to load them into: while a layer syncs, vLLM holds all its
+    experts twice beside its weights (1.2 GB of bf16 each time per layer of Qwen3-VL-30B-A3B, 1.6 GB of
+    Qwen3.5-35B-A3B; memory_plan.reload_peak counts it)."""
     import torch.distributed as dist
 
     m = EXPERT_PARAM.match(name)

@@ -8,17 +8,25 @@ sleeps, before the log-prob and update phases; the moments come to the GPU for e
 memory they free is vLLM's to take (rollout.gpu_memory_utilization; memory_plan.py says how far it can rise).
 
 Parameters move through FSDP2's own `_apply` path (as `module.to()` does): it re-registers each moved shard as the
-unit's sharded parameter, so later all-gathers read the moved copy and the old storage is freed. The optimizer's
-moments are replaced in its state dict by their copies. Copies go out and back on the current CUDA stream with
-non_blocking=True into pinned memory, so each direction is one stream of transfers the host does not wait on
-tensor by tensor; one synchronize at the end makes `time/offload` and `time/onload` the transfer's real time. (A
-shard whose rows do not split evenly over the ranks is re-padded by FSDP2 into pageable memory; its copy back then
-waits for the host.)
+unit's sharded parameter, so later all-gathers read the moved copy and the old storage is freed. Its
+reset_sharded_param (torch 2.11-2.14) re-pads a shard shorter than FSDP2's padded size (a parameter whose rows do not
+split evenly over the ranks: Qwen2.5-VL's vision MLP, 3,420 rows over 8) with a host-side copy of the moved shard,
+into pageable memory; so every copy is first enqueued (non_blocking, one stream of transfers the host does not wait
+on tensor by tensor), then the host waits for them all (`wait_for_copies`), and only then are the finished copies
+handed to `_apply`. Handing it copies still in flight would re-pad rows not yet written: silent zeros or stale rows
+in the policy or the reference. The optimizer's moments are replaced in its state dict by their copies, also waited
+for (a checkpoint may read them from host memory next).
 
-On a machine without CUDA the compute device IS the host: the state is still copied out to fresh host tensors and
-back (the same code path, minus pinning), so a CPU run exercises every step of the round trip, at the cost of
-copying memory that frees nothing. FSDP2's CPUOffloadPolicy (actor.ref_offload, for the reference) is the other
-tool: the shards live in host memory for good and every forward copies them in; see docs/memory.md for which to choose.
+Host memory is one block per rank for the parameters and one for the moments (`HostArena`), allocated at the first
+offload at exactly the bytes they need, sliced, and reused at every later one. Not torch's pinned allocator: its
+CachingHostAllocator (torch 2.11-2.14) rounds every block up to the next power of two and keeps freed blocks cached
+for reuse, so a tensor per shard would pin up to twice the state (memory_plan.py plans what the arenas take). On
+CUDA an arena is pinned by registering it with the driver (cudaHostRegister), which rounds nothing.
+
+On a machine without CUDA the compute device IS the host: the state is still copied out to the arenas and back (the
+same code path, minus pinning), so a CPU run exercises every step of the round trip, at the cost of copying memory
+that frees nothing. FSDP2's CPUOffloadPolicy (actor.ref_offload, for the reference) is the other tool: the shards
+live in host memory for good and every forward copies them in; see docs/memory.md for which to choose.
 """
 
 from __future__ import annotations
@@ -26,39 +34,105 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import models
 
+ALIGN = 512  # each arena slice starts on a multiple of this, as the blocks of torch's CUDA allocator do
+PAGE = 4096  # an arena starts on a page (cudaHostRegister locks whole pages)
 
-def moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A copy of `t` on `device`, never `t` itself (pinned host memory when copying off a CUDA device). A DTensor
-    stays a DTensor of the same mesh and placements, its local shard moved."""
+
+class HostArena:
+    """Host memory for a fixed list of tensors: one block at their exact size (plus ALIGN per slice), sliced into a
+    view per tensor, allocated when the list's shapes first appear and reused while they stay the same."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.block, self.layout, self.offsets = None, None, []
+
+    @staticmethod
+    def bytes_for(sizes) -> int:
+        """What an arena takes for tensors of `sizes` bytes (memory_plan.py counts the same)."""
+        return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+
+    def _allocate(self, layout) -> None:
+        self.release()
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in layout]
+        self.offsets = [self.bytes_for(sizes[:i]) for i in range(len(sizes))]
+        total = self.bytes_for(sizes)
+        raw = torch.empty(total + PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE
+        self.block = raw[start : start + total]
+        if self.pin and total:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), total, 0))
+        self.layout = layout
+
+    def release(self) -> None:
+        if self.pin and self.block is not None and self.block.numel():
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr()))
+        self.block, self.layout = None, None
+
+    def views(self, tensors) -> list[torch.Tensor]:
+        """One host tensor per tensor of `tensors`, of its shape and dtype, each a slice of the block."""
+        layout = [(tuple(t.shape), t.dtype) for t in tensors]
+        if layout != self.layout:
+            self._allocate(layout)
+        return [
+            self.block[o : o + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(self.offsets, layout)
+        ]
+
+
+def wait_for_copies() -> None:
+    """The host waits until every copy enqueued on the current CUDA stream has landed (without CUDA every copy was
+    synchronous)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
+def moved(t: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of `t` on `device` (into `out`, a host tensor of its local shape, when given), never `t` itself;
+    enqueued, not waited for. A DTensor stays a DTensor of the same mesh and placements, its local shard moved."""
     if isinstance(t, DTensor):
         # Built as FSDP2 builds its own CPU-offloaded shards (_fsdp_common._from_local_no_grad): DTensor.from_local
         # would move a host copy straight back to the mesh's device (torch 2.11-2.14 convert to its device_type)
-        return DTensor(moved(t.to_local(), device), t._spec, requires_grad=t.requires_grad)
-    pin = device.type == "cpu" and t.device.type == "cuda"
-    out = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
-    out.copy_(t, non_blocking=pin or device.type == "cuda")
+        return DTensor(moved(t.to_local(), device, out), t._spec, requires_grad=t.requires_grad)
+    if out is None:
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out.copy_(t, non_blocking=t.device.type == "cuda" or device.type == "cuda")
     return out
 
 
-def move_parameters(model, device: torch.device) -> None:
-    """Every parameter of an FSDP2 `model` (its shards) copied to `device`. FSDPModule._apply reshards first and
-    then re-registers the moved shards with FSDP2 (reset_sharded_param), as model.to(device) would, but only
-    parameters move: buffers such as the rotary tables stay where the forward needs them."""
-    params = {id(p) for p in model.parameters()}
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def move_parameters(model, device: torch.device, arena: HostArena | None = None) -> None:
+    """Every parameter of an FSDP2 `model` (its shards) copied to `device` (into `arena` when given: host memory).
+    FSDPModule._apply then re-registers the moved shards with FSDP2 (reset_sharded_param), as model.to(device)
+    would, but only parameters move: buffers such as the rotary tables stay where the forward needs them. The copies
+    have landed before _apply sees them: it re-pads an uneven shard by reading it on the host."""
+    for m in model.modules():  # (_apply reshards only the module it is called on: every unit's shards, registered)
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    params = list({id(p): p for p in model.parameters()}.values())
+    outs = arena.views([_local(p) for p in params]) if arena is not None else [None] * len(params)
     with torch.no_grad():
-        model._apply(lambda t: moved(t, device) if id(t) in params else t)
+        copies = {id(p): moved(p, device, out) for p, out in zip(params, outs)}
+        wait_for_copies()
+        model._apply(lambda t: copies.get(id(t), t))
 
 
-def move_optimizer_state(optimizer, device_of) -> None:
-    """AdamW's moments copied to `device_of(param)`; the step counts stay where AdamW keeps them (host scalars)."""
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = moved(value, device_of(p))
+def move_optimizer_state(optimizer, device_of, arena: HostArena | None = None) -> None:
+    """AdamW's moments copied to `device_of(param)` (all into `arena` when given: host memory), waited for; the step
+    counts stay where AdamW keeps them (host scalars)."""
+    moments = [(p, state, key) for p, state in optimizer.state.items() for key, value in state.items()
+               if key != "step" and isinstance(value, torch.Tensor)]  # fmt: skip
+    outs = arena.views([_local(state[key]) for _, state, key in moments]) if arena else [None] * len(moments)
+    for (p, state, key), out in zip(moments, outs):
+        state[key] = moved(state[key], device_of(p), out)
+    wait_for_copies()
 
 
 def _local_device(p: torch.Tensor) -> torch.device:
@@ -85,6 +159,9 @@ class TrainerOffload:
                 self.models.append(ref_model)
         self.optimizer = optimizer if actor.offload_optimizer else None
         self.host = torch.device("cpu")
+        pin = self.device.type == "cuda"
+        self.arenas = [HostArena(pin) for _ in self.models]  # one per model: the policy's and the reference's
+        self.moments = HostArena(pin)
         self.on_host = False  # a step's several generate calls (filtering rounds, validation batches) offload once
         self.moments_on_host = False
         if self.optimizer is not None:
@@ -94,13 +171,8 @@ class TrainerOffload:
     def _moments_to(self, device_of):
         to_host = device_of is not _local_device
         if self.moments_on_host != to_host:
-            move_optimizer_state(self.optimizer, device_of)
+            move_optimizer_state(self.optimizer, device_of, self.moments if to_host else None)
             self.moments_on_host = to_host
-
-    def _sync(self, timings, key, t0):
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        timings[key] = time.perf_counter() - t0
 
     def offload(self, timings: dict) -> None:
         """Policy, reference and AdamW moments to host memory (after the weight sync, before generating)."""
@@ -108,11 +180,11 @@ class TrainerOffload:
             return
         self.on_host = True
         t0 = time.perf_counter()
-        for m in self.models:
-            move_parameters(m, self.host)
+        for m, arena in zip(self.models, self.arenas):
+            move_parameters(m, self.host, arena)
         if self.optimizer is not None:  # (after a step they are there already)
             self._moments_to(lambda p: self.host)
-        self._sync(timings, "time/offload", t0)
+        timings["time/offload"] = time.perf_counter() - t0  # (the moves waited for their copies)
 
     def onload(self, timings: dict) -> None:
         """The parameters back to the compute device (after the engine sleeps, before the log-prob and update
@@ -123,4 +195,4 @@ class TrainerOffload:
         t0 = time.perf_counter()
         for m in self.models:
             move_parameters(m, self.device)
-        self._sync(timings, "time/onload", t0)
+        timings["time/onload"] = time.perf_counter() - t0

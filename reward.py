@@ -4,14 +4,17 @@ Rewards for GRPO on Geometry3K, and a scorer that runs any reward function with 
 - compute_score: the geo3k recipe, overall = 0.9 * accuracy + 0.1 * format; degenerate answers are settled by
   cheap guards (settle_cheaply) before any symbolic grading.
 - digit_fraction: the toy reward of the CPU demo.
-- load_reward_fn: loads a user reward from a "path/to/file.py:function" spec.
-- RewardScorer: grades batches in persistent worker processes and kills any that hang;
-  default_num_workers: how many per rank.
+- load_reward_fn: loads a user reward from a "path/to/file.py:function" spec; call_reward: the contract a reward
+  keeps (a number, or a dict with "overall"); keyword_columns: the row's columns it asks for by keyword.
+- RewardScorer: grades batches in persistent worker processes and kills any that hang, and stops the run when every
+  answer of a step failed to grade; default_num_workers: how many per rank.
 """
 
 import atexit
 import importlib.util
+import inspect
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -21,11 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import wait
+from numbers import Real
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_SPEC = "reward.py:compute_score"
 BASE_KEYS = ("overall", "format", "accuracy")
+# the trainer's own reward/<name> metrics: a reward's key of one of these names is not logged again as its own
+RESERVED_KEYS = (*BASE_KEYS, "shaped", "errors", "timeouts", "timeouts_step")
 
 # -----------------------------------------------------------------------------
 # the geo3k reward
@@ -293,16 +299,55 @@ def load_reward_fn(spec: str) -> Callable[[str, str], dict]:
         raise ValueError(f"reward spec {spec!r}: importing {path} failed: {_describe(e)}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward spec {spec!r}: {path} has no function {name!r}")
+        own = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
+        raise ValueError(f"reward spec {spec!r}: {path} has no function {name!r} (its functions: {', '.join(own)})")
     return fn
 
 
-def call_reward(fn: Callable, response: str, ground_truth: str) -> dict[str, float]:
-    """Call a reward function and check its result, so a bad return value is an error here, not in the trainer."""
-    result = fn(response, ground_truth)
+def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> dict[str, float]:
+    """Call a reward function and check its result, so a bad return value is an error here, not in the trainer.
+
+    A number is the overall reward; a dict needs an "overall" key, and every value must be a number. `columns` are
+    the keyword arguments the function asked for (keyword_columns)."""
+    result = fn(response, ground_truth, **columns)
+    if isinstance(result, Real):
+        result = {"overall": result}
     if not isinstance(result, dict) or "overall" not in result:
-        raise TypeError(f"reward function must return a dict with an 'overall' key, got {result!r:.200}")
-    return {key: float(value) for key, value in result.items()}
+        raise TypeError(
+            f"the reward function returned {type(result).__name__} {result!r:.100}; it must return a number or a dict "
+            f"with an 'overall' key"
+        )
+    wrong = [key for key, value in result.items() if not isinstance(value, Real) or not math.isfinite(value)]
+    if wrong:  # (a NaN would reach the advantage of its whole group)
+        raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a finite number")
+    return {str(key): float(value) for key, value in result.items()}
+
+
+def keyword_columns(fn: Callable) -> bool | frozenset[str]:
+    """What a reward function gets beyond (response, ground_truth), decided from its signature as TRL does for
+    dataset columns: True for a `**kwargs` (every column of the row, question and prompt), else the names of its
+    further parameters that can be passed by keyword (each a column of the row, `question` or `prompt`)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: called with the two arguments
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return True
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return frozenset(p.name for p in named[2:])
+
+
+def reward_kwargs(example, wanted: bool | frozenset[str]) -> dict:
+    """The keyword arguments a reward function asked for, from a data.Example: its row's columns as the file has
+    them, `question` (the problem text, before the format prompt) and `prompt` (the chat text the model read)."""
+    if not wanted:
+        return {}
+    values = {**getattr(example, "columns", {}), "question": example.problem, "prompt": example.prompt}
+    return values if wanted is True else {k: v for k, v in values.items() if k in wanted}
+
+
+def _answer(response: str) -> str:
+    return f"{response[:120]!r}{'...' if len(response) > 120 else ''}"
 
 
 # -----------------------------------------------------------------------------
@@ -341,11 +386,11 @@ def _worker_main(conn, fn_spec: str) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            response, ground_truth = conn.recv()
+            response, ground_truth, columns = conn.recv()
         except EOFError:  # the parent closed the pipe or died: nothing left to do
             return
         try:
-            conn.send(("ok", call_reward(fn, response, ground_truth)))
+            conn.send(("ok", call_reward(fn, response, ground_truth, **columns)))
         except Exception as e:
             conn.send(("error", _describe(e)))
 
@@ -366,7 +411,7 @@ class _Worker:
     def idle(self) -> bool:
         return self.ready and self.index is None
 
-    def submit(self, index: int, item: tuple[str, str], timeout: float) -> None:
+    def submit(self, index: int, item: tuple, timeout: float) -> None:
         self.conn.send(item)
         self.index = index
         self.deadline = time.monotonic() + timeout
@@ -386,9 +431,12 @@ class RewardScorer:
     persistent (one pipe round trip per item, not a process per item) and started with 'spawn', because the
     trainer holds CUDA and torch.distributed threads that a fork would copy in a broken state. A timed-out
     worker is killed and replaced; its item scores zeros and counts in n_timeouts. An exception in the
-    reward function (or a worker crash) scores zeros and counts in n_errors; last_error says what happened.
+    reward function, a return value call_reward rejects, or a worker crash scores zeros and counts in n_errors;
+    last_error says what happened, and call_errors lists the failures of the last score() call (each with the answer
+    it failed on), which report_failures turns into a message or a stop.
     Both counters are cumulative over the scorer's life (a checkpoint saves them): a step's own count, over
     however many score() calls the step makes, is the difference of n_timeouts before and after it.
+    The keyword arguments the function asks for (keyword_columns) come from the examples passed to score().
 
     The reward function is named by spec and loaded inside each worker, so it never has to be picklable.
     With timeout None or 0 the function is called directly in this process: cheap, but unbounded.
@@ -402,6 +450,7 @@ class RewardScorer:
         path, name = resolve_spec(fn_spec)
         self.fn_spec = f"{path}:{name}"  # absolute, so workers find it whatever their cwd
         self.fn = load_reward_fn(self.fn_spec)  # fail fast, here, on a bad spec
+        self.columns = keyword_columns(self.fn)  # what the data keeps of each row for it (data.PromptDataset)
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be at least 1 (default_num_workers() picks one)")
         self.timeout = timeout
@@ -409,32 +458,58 @@ class RewardScorer:
         self.n_timeouts = 0
         self.n_errors = 0
         self.last_error: str | None = None
+        self.call_errors: list[str] = []  # the last score() call's failures
+        self.call_size = 0  # and its answers
+        self.shown_step = -1  # the step whose first failure report_failures printed
         self.keys = list(BASE_KEYS)  # grows with extra keys the reward function returns
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         atexit.register(self.close)
 
-    def score(self, responses: list[str], ground_truths: list[str]) -> list[dict[str, float]]:
-        """One score dict per response; timed-out or failed items get 0.0 for every key."""
+    def score(self, responses: list[str], ground_truths: list[str], examples: list | None = None):
+        """One score dict per response; timed-out or failed items get 0.0 for every key. `examples` (data.Example,
+        one per response) give the keyword arguments the function asks for."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
-        items = list(zip(responses, ground_truths, strict=True))
+        columns = [reward_kwargs(ex, self.columns) for ex in examples] if examples else [{}] * len(responses)
+        items = list(zip(responses, ground_truths, columns, strict=True))
+        self.call_errors, self.call_size = [], len(items)
         if not items:
             return []
         if self.timeout:
             results = self._score_in_workers(items)
         else:
-            results = [self._score_here(response, ground_truth) for response, ground_truth in items]
+            results = [self._score_here(item) for item in items]
         return self._fill_failures(results)
 
-    def _score_here(self, response: str, ground_truth: str) -> dict[str, float] | None:
+    def _score_here(self, item: tuple) -> dict[str, float] | None:
         try:
-            return call_reward(self.fn, response, ground_truth)
+            return call_reward(self.fn, *item[:2], **item[2])
         except Exception as e:
-            self._record_error(_describe(e))
+            self._record_error(_describe(e), item)
             return None
 
-    def _score_in_workers(self, items: list[tuple[str, str]]) -> list[dict[str, float] | None]:
+    def all_failed(self) -> bool:
+        """Whether every answer of the last score() call failed to grade (timeouts aside: a slow grader is no bug)."""
+        return self.call_size > 0 and len(self.call_errors) == self.call_size
+
+    def report_failures(self, step: int, everywhere: bool, first_rank: int | None, rank: int) -> None:
+        """After a score() call whose failures the ranks have compared (collective, in the caller): stop the run
+        when every answer of every rank failed, with the function's own error; else the first rank with a failure
+        prints its first error, once a step."""
+        if everywhere:
+            raise SystemExit(
+                f"error: step {step}: the reward function failed on every answer, e.g. {self.call_errors[0]}; "
+                f"fix reward.reward_fn={self.fn_spec} (python train_grpo.py CONFIG --dry-run calls it on a sample)"
+            )
+        if first_rank is not None and self.shown_step != step:
+            self.shown_step = step
+            if first_rank == rank:
+                failed = f"{len(self.call_errors)} of {self.call_size} answers on rank {rank}"
+                print(f"reward: step {step}: {failed} failed to grade (scored 0, counted in reward/errors); the first: "
+                      f"{self.call_errors[0]}", flush=True)  # fmt: skip
+
+    def _score_in_workers(self, items: list[tuple]) -> list[dict[str, float] | None]:
         results = [None] * len(items)
         todo = deque(range(len(items)))
         try:
@@ -445,14 +520,14 @@ class RewardScorer:
                     if w.idle and todo:
                         i = todo.popleft()
                         w.submit(i, items[i], self.timeout)
-                self._collect(results)
+                self._collect(results, items)
         except BaseException:
             # an interrupted batch leaves answers in flight that would be read as the next batch's: start clean
             self.close()
             raise
         return results
 
-    def _collect(self, results: list) -> None:
+    def _collect(self, results: list, items: list[tuple]) -> None:
         """Wait for the next worker message or deadline; store results, replace hung or dead workers."""
         waiting = [w for w in self._workers if not w.idle]
         next_deadline = min(w.deadline for w in waiting)
@@ -478,27 +553,29 @@ class RewardScorer:
                 results[w.index] = payload
                 w.index = None
             elif status == "error":
-                self._record_error(payload)
+                self._record_error(payload, items[w.index])
                 w.index = None
             else:  # timeout or crash: the worker is unusable, replace it; its item stays a failure
                 if status == "timeout":
                     self.n_timeouts += 1
                     self.last_error = payload
                 else:
-                    self._record_error(payload)
+                    self._record_error(payload, items[w.index])
                 w.kill()
                 self._workers[k] = _Worker(self._ctx, self.fn_spec, self.worker_main)
 
-    def _record_error(self, message: str) -> None:
+    def _record_error(self, message: str, item: tuple) -> None:
+        if isinstance(item[0], str):  # a reward's answer (a ToolPool's items are tool calls)
+            message = f"{message} (on the answer {_answer(item[0])})"
         self.n_errors += 1
         self.last_error = message
+        self.call_errors.append(message)
 
     def _fill_failures(self, results: list[dict[str, float] | None]) -> list[dict[str, float]]:
         # failures get the same keys as successes, so the trainer can average every key over the batch
         for result in results:
             if result is not None:
                 self.keys += [key for key in result if key not in self.keys]
-                break
         return [result if result is not None else dict.fromkeys(self.keys, 0.0) for result in results]
 
     def close(self) -> None:
@@ -506,6 +583,10 @@ class RewardScorer:
         for w in self._workers:
             w.kill()
         self._workers = []
+
+    def extra_keys(self) -> list[str]:
+        """The keys the function returned beyond the trainer's own, logged as reward/<key>."""
+        return [key for key in self.keys if key not in RESERVED_KEYS]
 
     def __enter__(self) -> "RewardScorer":
         return self

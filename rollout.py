@@ -8,6 +8,7 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
     engine.sleep()                                       # give memory back to training
     engine.timings                                       # seconds of the last wake / weight sync / sleep
+    engine.close()                                       # at the end, before the process group goes (runtime.shut_down)
     engine.offload = offload.TrainerOffload(...)         # optional: the trainer's idle state to host while generating
 
 An engine that has `offload` set moves the trainer's state to host memory when it generates (vLLM: after the weight
@@ -135,6 +136,9 @@ class HFEngine:
     def sleep(self):
         if self.offload is not None:
             self.offload.onload(self.timings)
+
+    def close(self):
+        pass  # nothing of its own: it samples with the trainer's model
 
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
@@ -274,6 +278,17 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     return (member_seed * 1_000_003 + prompt * n) % 2**63
 
 
+def sleep_level_for(requested: int, lora_rank: int) -> int:
+    """The vLLM sleep level a run uses (rollout.sleep_level; -1, the default, chooses). Level 1 copies every weight
+    to host memory at each sleep (pinned, one block per allocation) and back at each wake; level 2 discards them,
+    and vLLM (0.26-0.33 gpu_worker.sleep / wake_up) keeps and restores only the model's buffers. The cheapest correct
+    level: 2 where the next sync resends every weight (full fine-tuning: sync_weights sends every parameter, the
+    frozen vision tower's too), 1 where it resends only what changed (LoRA: the base's other weights must survive)."""
+    if requested != -1:
+        return requested
+    return 1 if lora_rank else 2
+
+
 class VLLMEngine:
     """A vLLM `LLM` inside each torchrun rank (`external_launcher`: no extra processes, no Ray).
 
@@ -291,6 +306,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_cuda = torch.cuda.is_available()
         vllm_compat.sampler_environment(on_cuda)
+        vllm_compat.model_runner_environment()  # the runner the CPU tests run, on CUDA too
         quiet = quiet_logs(cfg.trainer.verbose)
         from vllm import LLM
 
@@ -307,8 +323,8 @@ class VLLMEngine:
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
         self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
         # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
-        self.sleep_level = r.sleep_level if on_cuda else 0
-        if r.sleep_level and not on_cuda and rank == 0 and not quiet:
+        self.sleep_level = sleep_level_for(r.sleep_level, cfg.actor.lora_rank) if on_cuda else 0
+        if r.sleep_level > 0 and not on_cuda and rank == 0 and not quiet:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
@@ -405,6 +421,16 @@ class VLLMEngine:
             self.timings["time/sleep"] = time.perf_counter() - t0
         if self.offload is not None:  # after the KV cache is gone: the trainer's state comes back into its memory
             self.offload.onload(self.timings)
+
+    def close(self):
+        """Shut the engine down (runtime.shut_down: every rank at the same point, while the process groups it uses
+        are alive). A sleeping engine is woken first, the trainer's state offloaded as for a rollout (the memory plan's
+        rollout phase): memory freed while asleep makes vLLM's CuMemAllocator unmap again what sleep unmapped, a
+        CUDA error for each allocation (its free path handles that on ROCm only, vLLM 0.26 to 0.33)."""
+        if self.asleep and self.offload is not None:
+            self.offload.offload(self.timings)
+        self._wake(["weights", "kv_cache"])
+        vllm_compat.shut_down(self.llm)
 
     @torch.no_grad()
     def sync_weights(self, model):
@@ -529,18 +555,30 @@ def make_engine(cfg, processor):
     return ENGINES[cfg.rollout.engine](cfg, processor)
 
 
+def _media_sources(dataset, what: str) -> list:
+    """Each prompt's image or video sources (what: images, videos); a Subset (validation) has only its own."""
+    whole = getattr(getattr(dataset, "dataset", dataset), f"{what[:5]}_sources")
+    return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
+
+
+def data_media(datasets) -> str:
+    """What the data really has, for the start-up line: the prompts with images and with videos, and the most of
+    either one prompt has (not the engine's limits, which keep one image for text-only data)."""
+    parts = []
+    for what in ("images", "videos"):
+        counts = [len(s) for d in datasets if d is not None for s in _media_sources(d, what)]
+        n = sum(c > 0 for c in counts)
+        parts.append(f"{what} in {n} prompts (at most {max(counts)} a prompt)" if n else f"no {what}")
+    return ", ".join(parts)
+
+
 def check_prompt_limits(rollout_cfg, datasets) -> tuple[int, int]:
     """The vLLM engine's limits of images and videos per prompt (limit_mm_per_prompt), set before it starts: a limit
     left at -1 becomes the data's most (written back into rollout_cfg), an explicit one is kept, and one below the
     data's most stops the run before the models load (vLLM would refuse such a prompt only at the rollout that
     draws it). Data with neither images nor videos keeps one image: with both limits 0 vLLM would build no vision
     tower, and the weight sync sends one. With tools, each tool turn may bring one image more (crop returns one)."""
-
-    def rows(dataset, sources):  # each prompt's image or video sources; a Subset (validation) has only its own
-        whole = getattr(getattr(dataset, "dataset", dataset), sources)
-        return [whole[i] for i in dataset.indices] if hasattr(dataset, "indices") else whole
-
-    most = {what: max((len(s) for d in datasets if d is not None for s in rows(d, f"{what[:5]}_sources")), default=0)
+    most = {what: max((len(s) for d in datasets if d is not None for s in _media_sources(d, what)), default=0)
             for what in ("images", "videos")}  # fmt: skip
     auto = {"images": most["images"] or int(not most["videos"]), "videos": most["videos"]}
     if rollout_cfg.tools:  # the prompt's images and one from each tool turn go to vLLM in one request

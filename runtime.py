@@ -60,6 +60,9 @@ def setup_distributed(collective_timeout_s: float = 3600.0, verbose: bool = Fals
         faulthandler.enable()  # a fatal signal (NCCL's watchdog aborts on a timeout) prints each thread's Python stack
     if torch.cuda.is_available():
         device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        # vLLM's external_launcher takes its device from LOCAL_RANK (cuda:LOCAL_RANK, 0.26 to 0.33), which under srun
+        # is the task's place on the node: one GPU bound per task would make every task but the first fail there
+        env["LOCAL_RANK"] = str(device.index)
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
     else:
@@ -240,6 +243,18 @@ def exit_rank(code: int):
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     ctypes.PyDLL(None).exit(code)  # PyDLL: the call keeps the GIL
+
+
+def shut_down(engine) -> None:
+    """End the run's distributed part: every rank, at the same point, after the trainer's last collective. The rollout
+    engine goes first, then the process group. vLLM's in-process engine shares the default group (external_launcher)
+    and holds process groups, NCCL communicators and CuMemAllocator pools of its own; left alive past
+    destroy_process_group, they are torn down at exit by exit hooks and static destructors after what they depend on
+    is gone, which can abort a run that finished (torchrun then reports a failure). Every rank must call it."""
+    dist.barrier()  # every rank is past the trainer's collectives: the engine's teardown may use the groups
+    engine.close()
+    if dist.is_initialized():  # (vLLM's teardown ends by destroying the default group itself)
+        dist.destroy_process_group()
 
 
 def print0(*args, **kwargs):

@@ -20,7 +20,7 @@ Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml                    # the CPU demo
     torchrun --nproc_per_node=2 train_grpo.py configs/tiny.yaml trainer.max_steps=5 rollout.n=4   # overrides
-    python train_grpo.py configs/geo3k.yaml --dry-run         # the per-GPU memory plan, no GPU and no weights needed
+    python train_grpo.py configs/geo3k.yaml --dry-run         # the memory plan, the model, data, reward: no GPU needed
 
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
@@ -49,13 +49,14 @@ import torch
 import torch.distributed as dist
 
 import mismatch
+import preflight
 import rollout
 import turns
 from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from logger import LOGGERS, MetricsLogger
 from lora import adapters_disabled
-from memory_plan import PlanError, format_plan, gpus_per_node, plan_memory, plan_problem
+from memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
 from mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
 from models import (
     OWN_PACKED_ATTENTION,
@@ -78,9 +79,9 @@ from runtime import (
     print_banner,
     release_host_memory,
     report_stop,
-    resolve_path,
     run_rank,
     setup_distributed,
+    shut_down,
 )
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -125,7 +126,8 @@ class AlgorithmConfig:
     rollout_rs: str = ""  # reject tokens/sequences too far off the engine: comma list of mismatch.RS_MODES; "" = off
     rollout_rs_threshold: str = ""  # one for all modes or one per mode; "lower_upper" ratio bounds for the k1 modes
     rollout_bypass: bool = False  # the engine's log-probs are the old ones: no old-log-prob forward
-    mismatch_guard: float = 0.01  # stop at the first step if a prompt's mismatch KL passes it (mismatch.py); 0 = off
+    mismatch_guard: float = 0.01  # bound on a prompt's mismatch KL at the start, a modality's every step; 0 = off
+    mismatch_action: str = "stop"  # a later step past mismatch_guard: stop, or skip its optimizer steps (mismatch.py)
     online_filtering: bool = False  # DAPO dynamic sampling: drop prompt groups whose mean filter_key is out of bounds
     filter_key: str = "accuracy"  # reward key the filter looks at
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
@@ -189,7 +191,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
     mm_cache_gb: float = 1.0  # vllm: GiB of processed images/videos it keeps per rank, host memory (its default: 4)
-    sleep_level: int = 1  # vllm on CUDA: 1 = offload weights to CPU between rollouts, 2 = discard them, 0 = never sleep
+    sleep_level: int = -1  # vllm on CUDA: 1 = weights to host, 2 = discard, 0 = never; -1 = rollout.sleep_level_for
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
     max_videos_per_prompt: int = -1  # ... and this many videos; -1 = the data's most (both read before vllm starts)
@@ -203,7 +205,7 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    reward_fn: str = "reward.py:compute_score"  # path/to/file.py:function returning {"overall", ...}
+    reward_fn: str = "reward.py:compute_score"  # path/to/file.py:function returning a number or {"overall", ...}
     timeout: float = 10.0  # seconds per graded answer; a hang or crash scores 0 and is counted
     num_workers: int = 0  # grading processes per rank; 0 = the rank's share of the cores it may use (at most 8)
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last this-many tokens before the limit; 0 = off
@@ -228,6 +230,7 @@ class TrainerConfig:
     seed: int = 1
     verbose: bool = False  # every library message, unfiltered (quiet.py names what a run hides and why)
     n_gpus_per_node: int = 0  # for the memory plan (memory_plan.py); 0 = the GPUs CUDA sees, or 8 without a GPU
+    nnodes: int = 0  # nodes a dry run plans and checks for (x n_gpus_per_node); 0 = the launcher's world, or one node
     gpu_memory_gib: float = 0.0  # memory of one GPU for the plan; 0 = what CUDA reports, or 80 without a GPU
 
 
@@ -412,8 +415,8 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
     if problem := config_problem(a, r.engine):
         raise ConfigError(problem)
-    if r.sleep_level not in (0, 1, 2):
-        raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: 0 (never sleep), 1, 2")
+    if r.sleep_level not in (-1, 0, 1, 2):
+        raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
     if problem := mismatch.config_problem(cfg.algorithm):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
@@ -648,8 +651,8 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
         timings["time/generate"] += time.perf_counter() - t0
         stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts
         t0 = time.perf_counter()
-        answers = [batch[s.prompt_index].answer for s in batch_samples]
-        batch_results = scorer.score([s.text for s in batch_samples], answers)
+        rows = [batch[s.prompt_index] for s in batch_samples]  # (the reward may ask for their columns)
+        batch_results = scorer.score([s.text for s in batch_samples], [ex.answer for ex in rows], rows)
         timings["time/reward"] += time.perf_counter() - t0
         stats["rollout/prompts_drawn"] += len(batch)
         for g in range(len(batch)):
@@ -668,9 +671,13 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
                 examples.append(batch[g])
                 prompts.append(batch_prompts[g])
                 results.extend(group)
-        # every rank must take the same number of rounds: continue until the rank with the fewest groups is full
-        have = torch.tensor([len(examples)])
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        # every rank must take the same number of rounds: continue until the rank with the fewest groups is full. The
+        # same reduction says whether every answer of every rank failed to grade (the run stops, naming the error)
+        # and which rank failed first (it prints its first error): no rank may stop or go on alone
+        agreed = torch.tensor([len(examples), int(scorer.all_failed()), rank if scorer.call_errors else world])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        have, first = agreed[0], agreed[2].item()
+        scorer.report_failures(step, bool(agreed[1]), first if first < world else None, rank)
         if have.item() >= need:
             break
     else:
@@ -784,7 +791,8 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
 
 
-def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats):
+def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats,
+                  step):  # fmt: skip
     """One pass of PPO updates over the rollout batch: mini-batches of `global_batch_size` prompts, each an
     optimizer step accumulated over micro-batches. `old_logps`/`ref_logps` are per-sample lists (None if unused)."""
     a, world = cfg.actor, dist.get_world_size()
@@ -830,10 +838,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             old = stack_padded([old_logps[i] for i in mb], t_len, device) if old_logps else logp.detach()
             # Engine-vs-trainer mismatch, free: `old` is the trainer's log-prob under the weights that sampled, either
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
-            engine_logp = stack_padded([torch.tensor(samples[i].logprobs) for i in mb], t_len, device)  # (B, T)
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
-            kinds = [mismatch.modality(prompts[samples[i].prompt_index]) for i in mb]
-            mask, weights = mismatch.measure_and_correct(trainer_logp, engine_logp, mask, kinds, cfg.algorithm, stats)
+            mask, weights = mismatch.measure_and_correct(trainer_logp, mask, prompts, samples, mb, cfg.algorithm, stats)
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
             pg, clipped = policy_loss(
                 logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
@@ -862,10 +868,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             stats["actor/clip_frac"] += ((clipped.float() * mask).sum() / num_tokens).item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):
+        if mismatch.watch(stats, cfg.algorithm, step) and torch.isfinite(grad_norm):  # (watch first: collective)
             optimizer.step()
             scheduler.step()
-        else:  # the norm is global, so every rank skips together
+        else:  # the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank skips together
             stats["actor/skipped_steps"] += 1
         optimizer.zero_grad(set_to_none=True)
         stats["actor/grad_norm"] = grad_norm.item()
@@ -891,7 +897,8 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
         examples = [val_set[i] for i in batch]
         prompts = [rollout.encode_prompt(processor, ex) for ex in examples]
         samples = engine.generate(prompts, r.val_n, params, seed=cfg.trainer.seed + 7919 * (rank + 1))
-        results = scorer.score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples])
+        rows = [examples[s.prompt_index] for s in samples]
+        results = scorer.score([s.text for s in samples], [ex.answer for ex in rows], rows)
         for s, res in zip(samples, results):
             if s.prompt_index < len(real):
                 sums["val/accuracy"] += res.get("accuracy", 0.0)
@@ -917,22 +924,14 @@ UPDATE_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac",
 SHARED_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/router_aux_loss")
 
 
-def load_datasets(cfg, processor, rank, world):
+def load_datasets(cfg, processor, rank, world, columns):
     """The train prompts, the validation prompts (None without data.val_files), this rank's sampler and the number
-    of steps the run takes."""
+    of steps the run takes. `columns`: what each prompt keeps of its row for the reward (RewardScorer.columns)."""
     from data import PromptDataset, ShardSampler
 
     d = cfg.data
     # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
-    dataset_kwargs = dict(
-        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
-        video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
-        video_max_pixels=d.video_max_pixels,
-        format_prompt=resolve_path(d.format_prompt) or None,
-        **turns.offer_tools(cfg.rollout, processor, d.system_prompt or None),  # the tools' offer, when there are any
-        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
-        filter_overlong_prompts=d.filter_overlong_prompts,
-    )  # fmt: skip
+    dataset_kwargs = preflight.dataset_kwargs(cfg, processor, columns)
     train_set = PromptDataset(d.train_files, processor, **dataset_kwargs)
     val_set = None
     if d.val_files:
@@ -946,11 +945,11 @@ def load_datasets(cfg, processor, rank, world):
         raise SystemExit(f"error: {len(train_set)} train prompts are fewer than one rollout batch "
                          f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data")  # fmt: skip
     total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
-    images, videos = rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])  # before the engine starts
+    rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])  # the engine's, before it starts
+    media = rollout.data_media([train_set, val_set])  # what the data has, not the engine's limits
     print0(f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, {train_set.n_overlong} longer "
            f"than {d.max_prompt_length} tokens dropped) | val: {len(val_set) if val_set else 0} prompts | "
-           f"{steps_per_epoch} steps per epoch, {total_steps} in all | "
-           f"at most {images} images, {videos} videos a prompt")  # fmt: skip
+           f"{steps_per_epoch} steps per epoch, {total_steps} in all | {media}")  # fmt: skip
     return train_set, val_set, sampler, total_steps
 
 
@@ -982,6 +981,9 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, lr, 
         "response_length/mean": float(sum(lengths)),
         "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
     }
+    keys = [None] * world  # a reward's own keys, as reward/<key>: every rank logs the keys any rank has seen
+    dist.all_gather_object(keys, scorer.extra_keys())
+    sums.update({f"reward/{k}": sum(x.get(k, 0.0) for x in results) for k in sorted(set().union(*keys))})
     metrics = mean_over_ranks(sums, dict.fromkeys(sums, len(samples)))
     # SHARED_STATS are already global shares on each rank: sum them over ranks (the balance loss only where it ran)
     shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
@@ -1039,7 +1041,7 @@ def check_memory(cfg, world, dry_run):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    dry_run = "--dry-run" in argv  # print the memory plan and exit: no GPU, no process group, no weights
+    dry_run = "--dry-run" in argv  # every check that needs no GPU (preflight.py), then exit: no process group
     argv = [arg for arg in argv if arg != "--dry-run"]
     if not argv or argv[0].startswith("-"):
         print(__doc__)
@@ -1047,8 +1049,7 @@ def main(argv=None):
     cfg_path, overrides = (argv[0], argv[1:]) if "=" not in argv[0] else (None, argv)
     try:
         cfg = load_config(cfg_path, overrides)
-        world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "0")))
-        world = world or (gpus_per_node(cfg.trainer.n_gpus_per_node) if dry_run else 1)  # a dry run plans one node
+        world = planned_world(cfg.trainer, dry_run)
         check_config(cfg, world)
         check_paths(cfg)
         plan = check_memory(cfg, world, dry_run)
@@ -1056,7 +1057,7 @@ def main(argv=None):
         report_stop(f"config error: {e}")  # once, by rank 0
         return 2
     if dry_run:
-        return 0
+        return preflight.dry_run(cfg, world)
 
     rank, world, device = setup_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.verbose)
     torch.manual_seed(cfg.trainer.seed)
@@ -1077,13 +1078,12 @@ def main(argv=None):
 
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)
-    train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world)  # (host memory only)
-    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
-    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
-    fn_path, _, fn_name = cfg.reward.reward_fn.rpartition(":")
     # torchrun's ranks on a node share its cores; under srun with one task per GPU each task's cores are its own
     workers = cfg.reward.num_workers or default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    scorer = RewardScorer(f"{resolve_path(fn_path)}:{fn_name}", timeout=cfg.reward.timeout, num_workers=workers)
+    scorer = RewardScorer(cfg.reward.reward_fn, timeout=cfg.reward.timeout, num_workers=workers)  # (workers: later)
+    train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world, scorer.columns)
+    # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
+    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
@@ -1152,7 +1152,7 @@ def main(argv=None):
         stats = dict.fromkeys(UPDATE_STATS, 0.0)
         for _ in range(a.ppo_epochs):
             update_policy(
-                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats
+                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats, step
             )
         timings["time/train"] = time.perf_counter() - t0
         # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
@@ -1188,8 +1188,7 @@ def main(argv=None):
         print0(f"done: final model in {os.path.join(cfg.trainer.output_dir, 'hf')}")
     scorer.close()
     logger.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down(engine)  # the engine, then the process group
     return 128 + stop_signum if stop_signum else 0
 
 

@@ -36,6 +36,17 @@ def skip_engine_teardown(llm) -> None:
         finalizer.detach()
 
 
+def shut_down(llm) -> None:
+    """Tear the in-process engine down as vLLM tears down its own engine processes, the same in 0.26 and 0.33:
+    EngineCore.shutdown() shuts the worker down (its model and KV cache dropped, its CuMemAllocator pools released,
+    so the allocator's exit hook finds nothing left), then the scheduler, then cleanup_dist_env_and_memory: vLLM's
+    groups and their communicators (destroy_model_parallel), its world group, and last
+    torch.distributed.destroy_process_group() of the default group, the one external_launcher shares with the
+    trainer. It is called on the EngineCore itself: the 0.32/0.33 client's shutdown() runs it only while the finalizer
+    that skip_engine_teardown detached is still attached."""
+    llm.llm_engine.engine_core.engine_core.shutdown()
+
+
 def forget_cpu_moe_kernels(model) -> int:
     """Make the next weight reload set up every MoE layer's kernel as the first load did; returns how many there are.
     Run on the engine's model (LLM.apply_model) before each sync, on CPU only. vLLM 0.32 re-runs an MoE layer's weight
@@ -56,11 +67,27 @@ def forget_cpu_moe_kernels(model) -> int:
 
 def sampler_environment(on_cuda: bool) -> None:
     """vLLM 0.26 and 0.33 both sample with flashinfer on CUDA by default (VLLM_USE_FLASHINFER_SAMPLER) and the
-    sampler's probe raises at engine start when flashinfer is not importable, which is the case with the vLLM 0.26 kit
-    for offline GPU machines (PyPI's vllm 0.33 depends on flashinfer). vLLM's own PyTorch sampler is taken then. A
+    sampler's probe raises at engine start when flashinfer is not importable, which can be the case in an offline
+    install of vLLM 0.26 (PyPI's vllm 0.33 depends on flashinfer). vLLM's own PyTorch sampler is taken then. A
     value the user set wins. Off CUDA the variable is never read."""
     if on_cuda and importlib.util.find_spec("flashinfer") is None:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def model_runner_environment() -> None:
+    """Run vLLM's V1 model runner, on every platform, unless the user set VLLM_USE_V2_MODEL_RUNNER (theirs wins).
+
+    Left to itself vLLM picks per engine: 0.33 takes Model Runner V2 wherever Triton imports, so on every CUDA node
+    (config/vllm.py use_v2_model_runner); 0.26 takes it for dense models only (Qwen2.5-VL, Qwen3-VL) and V1 for the
+    hybrid Qwen3.5 and the MoE families; the CPU builds have no Triton and run V1. V2 is a second implementation
+    (vllm/v1/worker/gpu/: its own Gumbel-max sampler with hashed per-request seeds, its own logit-bias, log-prob and
+    encoder-cache code) that no CPU test can run (it needs Triton). V1 is the runner vLLM's CPU build subclasses, so
+    its sampler (vllm/v1/sample), logit_bias, seeded generators, raw log-probs (logprobs_mode) and encoder-cache reset
+    are what every engine test checks, token for token against the trainer. V1 takes everything the engine uses on CUDA
+    in 0.26 and 0.33 (no pipeline parallelism, no speculative decoding); sleep/wake (the worker's CuMemAllocator)
+    and reload_weights(weights_iterator=...) (model_loader/reload, then the encoder caches reset) are the same code
+    under either runner. One runner then for every family and version, the one the tests ran."""
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
 def budget_reads_modality_kwargs() -> bool:

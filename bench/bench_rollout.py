@@ -119,8 +119,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    runtime.shut_down(vllm_engine)  # the engine, then the process group, as the trainer ends
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ and how fast is it?
    same batch padded (sdpa), all in bf16; and the vision tower's varlen path against sdpa on the same images (on
    torch 2.14 and sm90 the tower's calls can go to cuDNN, a kernel the CPU tests never reach).
 4. With vLLM (the default where it imports): the rollout phase as the loop runs it, vLLM asleep while the trainer
-   works (rollout.sleep_level=1), its generation tokens/s, the wake, weight-sync and sleep seconds, and the GPU memory
-   free (torch.cuda.mem_get_info) right before and after every sleep: the device's use while vLLM is awake set beside
-   the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on, as in a real run; --enforce-eager
-   runs the same without them. Then, in a fresh process, vLLM's log-probs of its own samples against the trainer's
-   (bf16, after a weight sync), separately for text prompts and for image prompts.
+   works (rollout.sleep_level's default: level 2, 1 with --lora), its generation tokens/s, the wake, weight-sync and
+   sleep seconds, and the GPU memory free (torch.cuda.mem_get_info) right before and after every sleep: the device's
+   use while vLLM is awake set beside the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on,
+   as in a real run; --enforce-eager runs the same without them. Then, in a fresh process, vLLM's log-probs of its
+   own samples against the trainer's (bf16, after a weight sync), separately for text prompts and for image prompts.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
 of a step / step seconds, as EasyR1 counts it: docs/performance.md), model FLOPs utilisation of the training phases,
@@ -363,6 +363,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
+    runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
 
 
@@ -497,7 +498,6 @@ def main(argv=None):
         result = engine_vs_trainer(model_dir, data_dir, args.response_tokens, args.enforce_eager)
         with open(os.path.join(data_dir, "engine_vs_trainer.json"), "w") as f:
             json.dump(result, f)
-        __import__("torch.distributed").distributed.destroy_process_group()
         __import__("runtime").exit_rank(0)  # as the trainer's ranks end (gloo's threads may outlive the group)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA GPU (--dry-run does not)")

@@ -57,11 +57,13 @@ def main():
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    # (the samples' engine log-probs are placeholder 0s, far from any model's: no mismatch guard)
     cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
                                         f"rollout.n={N}", f"actor.micro_batch_size={micro}",
                                         f"actor.loss_agg_mode={mode}", "actor.max_grad_norm=1e9",
                                         "algorithm.kl_coef=0.1", "data.max_prompt_length=128",
-                                        "data.max_response_length=32", *sys.argv[5:]])  # fmt: skip
+                                        "data.max_response_length=32", "algorithm.mismatch_guard=0",
+                                        *sys.argv[5:]])  # fmt: skip
     train_grpo.check_config(cfg, world)
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
@@ -93,7 +95,7 @@ def main():
     model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
     train_grpo.update_policy(model, optimizer, scheduler, local_samples, local_prompts, advantages[mine], None,
-                             ref_logps[mine], cfg, ids, stats)  # fmt: skip
+                             ref_logps[mine], cfg, ids, stats, 1)  # fmt: skip
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

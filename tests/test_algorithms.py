@@ -172,8 +172,15 @@ class _FakeEngine:
 
 class _FakeScorer:
     n_timeouts = 0  # cumulative, as RewardScorer keeps it
+    call_errors = []  # no grading failures: RewardScorer's failure report has nothing to say
 
-    def score(self, responses, answers):
+    def all_failed(self):
+        return False
+
+    def report_failures(self, step, everywhere, first_rank, rank):
+        assert not everywhere and first_rank is None
+
+    def score(self, responses, answers, rows=None):
         # problems "right" score 1, "wrong" 0, "mixed" alternate: only mixed groups carry a learning signal; a
         # "hang" answer is one whose grading timed out: it scores 0 and counts
         out = []
@@ -242,3 +249,15 @@ def test_step_timeouts_count_every_round_of_the_step(single_rank_group):
     (_, _, _, _, stats), _, _ = _filtering_run(problems, rounds=4, scorer=scorer)
     assert stats["rollout/filter_rounds"] == 2 and stats["reward/timeouts_step"] == 6
     assert scorer.n_timeouts == 11
+
+
+def test_a_reward_failing_on_every_answer_stops_the_step(single_rank_group, tmp_path):
+    """Guards against a reward that returns the wrong type on every answer training on at reward 0 (it did, to the
+    end, exit 0): the step's reduction over ranks sees every answer failed and stops it with the function's error."""
+    from reward import RewardScorer
+
+    (tmp_path / "wrong.py").write_text("def reward(response, ground_truth):\n    return 'correct'\n")
+    with RewardScorer(f"{tmp_path / 'wrong.py'}:reward", timeout=None) as scorer:
+        with pytest.raises(SystemExit, match=r"^error: step 1: .* every answer, e.g. TypeError: .*returned str"):
+            _filtering_run(["mixed"] * 8, rounds=3, scorer=scorer)
+        assert scorer.n_errors == 8  # the first round's 4 prompts x 2 answers: no second round was drawn

@@ -81,7 +81,7 @@ def test_cli_fails_on_bad_config_before_loading_anything(capsys):
         (["rollout.engine=sglang"], r"rollout\.engine='sglang'; valid: \['hf', 'vllm'\]"),
         (["rollout.engine=vllm", "rollout.tensor_parallel_size=3"], r"tensor_parallel_size=3 must divide the 4 ranks"),
         (["rollout.engine=hf", "rollout.tensor_parallel_size=2"], "needs rollout.engine=vllm"),
-        (["rollout.engine=vllm", "rollout.sleep_level=3"], r"sleep_level=3; valid: 0 \(never sleep\), 1, 2"),
+        (["rollout.engine=vllm", "rollout.sleep_level=3"], r"sleep_level=3; valid: -1 \(auto\), 0 \(never"),
     ],
 )
 def test_rollout_engine_settings_that_cannot_work(overrides, message):

@@ -4,6 +4,7 @@ import copy
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from PIL import Image
 
 import data
+import rollout
 from data import PromptDataset, ShardSampler, fit_image, fitted_size, load_rows
 from media import to_rgb
 from scripts.make_synthetic_data import main as synthetic_main
@@ -217,13 +219,42 @@ def test_row_without_marks_gets_one_per_image(tmp_path, processor):
 
 
 def test_all_bad_file_raises_naming_it(tmp_path, processor):
-    """Guards against a wrong key name yielding an empty dataset, or a warning flood instead of one error."""
-    rows = [{"question": f"<image>{i}", "answer": "1", "images": [{"bytes": png(), "path": None}]} for i in range(15)]
-    path = write_parquet(tmp_path / "wrongkey.parquet", rows)
-    with pytest.warns(UserWarning) as record, pytest.raises(ValueError, match="wrongkey.parquet.*missing 'problem'"):
+    """Guards against a file of bad rows yielding an empty dataset, or a warning flood instead of one error."""
+    rows = [{"problem": "<image>x", "answer": " ", "images": [{"bytes": png(), "path": None}]} for i in range(15)]
+    path = write_parquet(tmp_path / "allbad.parquet", rows)
+    with pytest.warns(UserWarning) as record, pytest.raises(ValueError, match="allbad.parquet.*empty 'answer'"):
         PromptDataset(path, processor, **TINY)
     messages = bad_row_warnings(record)
     assert len(messages) == data.WARNINGS_PER_FILE + 1 and "5 more bad rows" in messages[-1]
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({"prompt_key": "question"}, "no row has data.prompt_key='question'; the file's columns: ['answer', 'image', "),
+        ({"answer_key": "solution"}, "no row has data.answer_key='solution'; the file's columns: ['answer', 'image', "),
+        ({"image_key": "figure"}, "no row has data.image_key='figure'; the file's columns: ['answer', 'image', "),
+        (
+            {"video_key": "clips", "image_key": "image"},
+            "no row has data.video_key='clips'; the file's columns: ['answer', 'image', ",
+        ),
+        # the default key, forgotten: the images are in another column, and would silently be left out
+        ({}, "no row has data.image_key='images', but column 'image' holds images: set data.image_key=image"),
+    ],
+)
+def test_a_key_no_row_has_stops_naming_file_key_and_columns(tmp_path, processor, keys, message):
+    """Guards against a wrong or forgotten key turning every row bad (a warning per row, a traceback) or, for the
+    images, training text-only in silence: one error names the file, the key and the columns the file has."""
+    rows = [{"problem": "Find x.", "answer": "1", "image": [{"bytes": png(), "path": None}]}] * 3
+    path = write_parquet(tmp_path / "mine.parquet", rows)
+    with pytest.raises(data.MissingColumn, match=re.escape(f"{path}: {message}")):
+        PromptDataset(path, processor, **TINY, **keys)
+    ds = PromptDataset(path, processor, **TINY, image_key="image", columns=True)  # the right key: images read
+    assert len(ds.image_sources[0]) == 1 and ds.examples[0].columns == rows[0]
+    assert rollout.data_media([ds]) == "images in 3 prompts (at most 1 a prompt), no videos"
+    text = write_parquet(tmp_path / "text.parquet", [{"problem": "Find x.", "answer": "1", "level": 2}])
+    ds = PromptDataset(text, processor, **TINY, columns={"level"})  # text-only data: the default keys may be absent
+    assert ds.examples[0].columns == {"level": 2} and rollout.data_media([ds]) == "no images, no videos"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def reward(response, ground_truth):
         raise ValueError("a bug in the reward function")
     if verdict == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    return {"overall": 1.0}
+    return {"overall": 1.0, "bonus": 0.5}
 """
 
 # Rank 1 stops taking part: in its first reward call (graded in the rank itself, reward.timeout=0) it sleeps far
@@ -49,7 +49,8 @@ def reward(response, ground_truth):
 
 def test_reward_that_raises_or_kills_its_worker_scores_zero_and_is_counted(tiny_model_dir, tmp_path):
     """Guards against a reward exception or a dead grading process stopping the step, scoring its answer anything
-    but 0, or going uncounted (reward/errors must count every rank's failures, not rank 0's alone)."""
+    but 0, or going uncounted (reward/errors must count every rank's failures, not rank 0's alone), and against the
+    failures going unsaid (the step's first error is printed once) or the reward's own keys being dropped."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
@@ -59,7 +60,7 @@ def test_reward_that_raises_or_kills_its_worker_scores_zero_and_is_counted(tiny_
     out = tmp_path / "out"
     overrides = ["trainer.max_steps=2", "trainer.save_freq=0", f"reward.reward_fn={tmp_path / 'faulty.py'}:reward",
                  "reward.num_workers=1", "reward.timeout=30"]  # fmt: skip
-    torchrun(2, *run_args(tiny_model_dir, data, out, *overrides))  # exit 0: both steps went on
+    stdout = torchrun(2, *run_args(tiny_model_dir, data, out, *overrides))  # exit 0: both steps went on
 
     verdicts = [v for log in logs.iterdir() for v in log.read_text().split()]
     n_answers = 2 * 4 * 4  # steps x prompts x answers
@@ -69,6 +70,9 @@ def test_reward_that_raises_or_kills_its_worker_scores_zero_and_is_counted(tiny_
     assert logged[-1]["reward/timeouts"] == 0
     # each answer that graded scores 1, each failed one 0: the batch means add up to the answers that graded
     assert sum(m["reward/overall"] * 16 for m in logged) == verdicts.count("ok")
+    assert sum(m["reward/bonus"] * 16 for m in logged) == 0.5 * verdicts.count("ok")  # the reward's own key, logged
+    # the first error of a step, printed once (by the first rank that had one), with the answer it failed on
+    assert stdout.count("reward: step 1: ") == 1 and "ValueError: a bug in the reward function (on the answer" in stdout
 
 
 def test_a_rank_that_stops_ends_the_run_naming_the_phase(tiny_model_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""The parts of bench/gpu_check.py that do not need a GPU, so that a session that is lent one spends it measuring,
+"""The parts of bench/gpu_check.py that do not need a GPU, so that time on a GPU is spent measuring,
 not fixing the script: the 3B and Qwen3.5-9B architectures it builds, the trainer command line it runs, and its
 comparisons."""
 
@@ -83,7 +83,7 @@ def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
 
 def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     """Guards against overrides that the trainer rejects (a renamed key, a batch that does not divide) surfacing
-    only after minutes of model building on a lent GPU."""
+    only after minutes of model building on a GPU."""
     gpu_check = load_gpu_check()
     for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"], ["--lora"],
                  ["--family", "qwen3_5", "--lora"], ["--family", "qwen3_vl_moe", "--lora"],

@@ -160,7 +160,7 @@ def test_version_mismatch_names_installed_and_supported_sets():
     assert "GPU: torch 2.14.0, transformers 5.19.0, vllm 0.33.0" in warning
     assert "torch 2.11: torch 2.11.0, transformers 5.17.0, vllm 0.26.0" in warning
     torch_2_11 = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "vllm": "0.26.0", "flash-attn": "not installed"}
-    assert version_mismatch(torch_2_11) is None  # the offline GPU machine with the vLLM 0.26 kit
+    assert version_mismatch(torch_2_11) is None  # a torch 2.11 node image with vLLM 0.26
     assert version_mismatch({**torch_2_11, "vllm": "0.33.0"}) is not None  # vLLM 0.33 never ran on torch 2.11
 
 

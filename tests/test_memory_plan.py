@@ -251,7 +251,8 @@ def test_activation_formula_matches_what_the_layers_keep(tiny_model_dir):
 
 def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
     """The geo3k recipe's plan written out: 8 ranks, 16384 tokens per training micro-batch and 32768 per log-prob
-    one, vLLM at 0.6 of 80 GiB with TP 2 and sleep level 1, the reference in bf16 on the GPU. Bytes."""
+    one, vLLM at 0.6 of 80 GiB with TP 2 and sleep level 2 (full fine-tuning's default: no host copy of its weights),
+    the reference in bf16 on the GPU. Bytes."""
     tokens, patches = 16384, 4 * 16384  # at most 4 patches (a 2 x 2 merge) per LM token
     # training activations at the top of the LM backward: each checkpointed layer's bf16 input, each vision block's,
     # then one decoder layer recomputed: 8 hidden-wide, 4 kv-wide and 4 MLP-wide tensors, its cos and sin
@@ -275,7 +276,7 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
         "log-probs": {**states, "grads": 0, "gathered": 2 * (2 * root + layer + max(layer, vision)),
                       "activations": nograd, "runtime": 2 * GIB},
         "rollout": {**states, "grads": 0, "vllm awake": 0.6 * 80 * GIB, "runtime": 2 * GIB},
-        "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden + P),  # vLLM's bf16 copy: 2 bytes over TP 2
+        "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden),  # policy, reference, read buffer
     }  # fmt: skip
 
 
@@ -404,6 +405,7 @@ def _no_loading(monkeypatch):
     monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", forbidden)
     monkeypatch.setattr(train_grpo, "setup_distributed", forbidden)
     monkeypatch.setattr("huggingface_hub.hf_hub_download", forbidden)
+    monkeypatch.setattr("preflight.hub_reachable", lambda: False)  # as on this machine, without waiting to find out
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, capsys):
@@ -411,15 +413,20 @@ def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, 
     id of configs/geo3k.yaml (the embedded 7B numbers) and for a local directory (its config.json)."""
     _no_loading(monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # check_paths would want the 7B in the hub cache; the plan does not
-    assert main(["configs/geo3k.yaml", "--dry-run", *NODE]) == 0
+    assert main(["configs/geo3k.yaml", "--dry-run", *NODE]) == 1  # the plan fits; the model's files need the hub
     out = capsys.readouterr().out
+    assert (
+        "ok    memory plan: fits 8 GPUs" in out and "cannot reach the hub: use a local path or HF_HUB_OFFLINE=1" in out
+    )
     assert "Qwen/Qwen2.5-VL-7B-Instruct (8.29 B parameters), world 8, 8 x 80.0 GiB" in out
     assert "params 3.9 | grads 3.9 | adam 7.7 | reference 1.9" in out and "-> fits" in out
-    assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0 + vllm sleep copy 7.7) = 116.2" in out
+    assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0) = 54.5" in out
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a machine without a GPU
-    assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 0
-    assert "(1.21 M parameters), world 8, 8 x 80.0 GiB per node (no GPU here: assumed)" in capsys.readouterr().out
+    assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 1  # hub data
+    out = capsys.readouterr().out
+    assert "(1.21 M parameters), world 8, 8 x 80.0 GiB per node (no GPU here: assumed)" in out
+    assert "ok    model: qwen2_5_vl config" in out and "FAIL  data: data.train_files: " in out
 
 
 def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
@@ -444,7 +451,7 @@ def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
         (["actor.max_tokens_per_micro_batch=0", "actor.micro_batch_size=16"], "lower actor.micro_batch_size from 16"),
         (["actor.max_tokens_per_micro_batch_no_grad=400000"], "lower actor.max_tokens_per_micro_batch_no_grad"),
         (["actor.gradient_checkpointing=false"], "set actor.gradient_checkpointing=true"),
-        (["rollout.sleep_level=0"], "set rollout.sleep_level=1"),
+        (["rollout.sleep_level=0"], "set rollout.sleep_level=-1"),
         # HF generate's KV cache for 640 rows a call (1024 prompts x 5 / 8 ranks): 70 GiB
         (["rollout.engine=hf", "data.rollout_batch_size=1024", "rollout.max_num_seqs=1024"], "set rollout.engine=vllm"),
         (["rollout.gpu_memory_utilization=0.05"], "raise it to >= 0.1"),  # vLLM's 7.7 GiB of weights do not fit
@@ -462,8 +469,12 @@ def test_each_lever_is_named(overrides, advice):
 def test_slurm_mem_below_the_host_plan_stops(monkeypatch):
     """Guards against eight ranks loading into a Slurm job whose --mem cannot hold them: the cgroup kills the job
     without a traceback (docs/memory.md)."""
-    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(100 * 1024))  # MB: 100 GiB, under the 7B's 116.2
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(50 * 1024))  # MB: 50 GiB, under the 7B's 54.5
     problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE), 8))
+    assert "over the 50.0 GiB this Slurm job may use (--mem)" in problem and "sleep_level" not in problem
+    # at level 1 vLLM's pinned copy comes on top (169.5 GiB in all): a level-2 sleep is the way out
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(100 * 1024))
+    problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", [*NODE, "rollout.sleep_level=1"]), 8))
     assert "over the 100.0 GiB this Slurm job may use (--mem)" in problem and "rollout.sleep_level=2" in problem
 
 
@@ -504,8 +515,9 @@ def test_bf16_masters_and_offload_terms_by_hand_for_7b_on_4x40():
     """Guards against the plan of configs/geo3k_4x40gb.yaml (7B, 4 ranks, bf16 masters, everything offloaded)
     counting a term the run does not hold, or missing one it does: bf16 weights, gradients and moments are 2, 2 and 4
     bytes a parameter over 4 ranks; the moments are on the GPU only in the optimizer step; the rollout holds no
-    trainer state; the weight sync holds the state (without moments) beside vLLM's bf16 TP-2 weights and one full
-    bf16 embedding; the host holds all of it while vLLM generates."""
+    trainer state; the weight sync holds the state (without moments) beside vLLM's bf16 TP-2 weights and the reload of
+    its largest layer, the embedding (the full tensor sent, vLLM's TP half of it); the host holds all of it while vLLM
+    generates."""
     plan = plan_memory(load_config("configs/geo3k_4x40gb.yaml"), 4)
     x, numbers = plan.settings, plan.numbers
     assert (x.world, x.gpu_bytes, x.master_bytes, x.offload_params, x.offload_optimizer) == (4, 40 * GIB, 2, True, True)
@@ -518,7 +530,7 @@ def test_bf16_masters_and_offload_terms_by_hand_for_7b_on_4x40():
     assert phases["rollout"] == pytest.approx(
         {"params": 0, "grads": 0, "adam": 0, "reference": 0, "vllm awake": 0.8 * 40 * GIB, "runtime": 2 * GIB}
     )
-    sync = {**states, "grads": 0, "adam": 0, "vllm weights": 2 * P_7B / 2, "gathered": 2 * 152064 * 3584}
+    sync = {**states, "grads": 0, "adam": 0, "vllm weights": 2 * P_7B / 2, "layer reload": 1.5 * 2 * 152064 * 3584}
     assert phases["weight sync"] == pytest.approx({**sync, "runtime": 2 * GIB}, rel=1e-12)
     assert numbers["offloaded"] == pytest.approx({"params": P_7B / 2, "reference": P_7B / 2, "adam": P_7B}, rel=1e-12)
     # the same run with fp32 masters and nothing offloaded: every state twice (and the reference the same)
@@ -527,7 +539,7 @@ def test_bf16_masters_and_offload_terms_by_hand_for_7b_on_4x40():
     assert {k: full["states"][k] / v for k, v in states.items()} == pytest.approx(
         {"params": 2, "grads": 2, "adam": 2, "reference": 1}
     )
-    assert "weight sync" not in full["phases"] and "optimizer step" not in full["phases"]
+    assert "optimizer step" not in full["phases"] and full["phases"]["weight sync"]["adam"] == pytest.approx(2 * P_7B)
     assert full["phases"]["rollout"]["adam"] == pytest.approx(2 * states["adam"])
 
 
@@ -538,9 +550,10 @@ def test_shipped_small_gpu_configs_fit(monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     for config, head in (("configs/geo3k_4x40gb.yaml", "world 4, 4 x 40.0 GiB"),
                          ("configs/geo3k_3b_1x40gb.yaml", "world 1, 1 x 40.0 GiB")):  # fmt: skip
-        assert main([config, "--dry-run"]) == 0
+        assert main([config, "--dry-run"]) == 1  # the plan fits; the model's files need the hub
         out = capsys.readouterr().out
         assert head in out and "-> fits" in out and "offloaded to host memory while generating" in out
+        assert "ok    memory plan: fits" in out
 
 
 @pytest.mark.parametrize(
@@ -569,3 +582,78 @@ def test_a_cpu_runs_plan_is_of_host_memory_per_rank(monkeypatch):
     assert "GiB per rank (host memory)" in text and "2 x 32.0 GiB per node (CPU run" in text and "80" not in text
     awake = plan.numbers["phases"]["rollout"]["vllm awake"]
     assert awake == pytest.approx(4 * P_7B / 2 + (1 << 30))  # TP 2; the default 1 GiB KV cache
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# vLLM beside the trainer: the sleep level, its host copy as torch's pinned allocator takes it, the weight sync's reload
+
+
+def test_sleep_level_is_the_cheapest_correct_one_per_mode_and_the_plan_follows_it():
+    """Guards against a level-1 sleep where the sync resends everything (its pinned copy of every weight made at each
+    sleep, restored at each wake, then overwritten: 8 ranks x 14.4 GiB for 7B at TP 2), and a level 2 where it does
+    not (LoRA resends only the adapted modules: the base's other weights would be gone). rollout.sleep_level still
+    overrides, and the plan counts the level the run uses."""
+    from rollout import sleep_level_for
+
+    assert [sleep_level_for(-1, 0), sleep_level_for(-1, 8)] == [2, 1]
+    assert [sleep_level_for(level, rank) for level in (0, 1, 2) for rank in (0, 8)] == [0, 0, 1, 1, 2, 2]
+    copy = {}
+    for overrides in (
+        [],
+        ["rollout.sleep_level=1"],
+        ["actor.lora_rank=8"],
+        ["actor.lora_rank=8", "rollout.sleep_level=2"],
+    ):
+        plan = plan_memory(load_config("configs/geo3k.yaml", NODE + overrides), 8)
+        copy[tuple(overrides)] = plan.settings.sleep_level, round(plan.numbers["host"]["vllm sleep copy"] / GIB, 1)
+    assert list(copy.values()) == [(2, 0.0), (1, 14.4), (1, 14.4), (2, 0.0)]
+
+
+def _pinned_by_hand(n):
+    """torch's pinned allocator on a request of n bytes (c10::llvm::PowerOf2Ceil), written apart from the plan's."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def test_level_1_sleep_copy_is_planned_as_the_pinned_allocator_takes_it():
+    """Guards against planning vLLM's level-1 sleep copy at the weights' size: CuMemAllocator pins one host tensor
+    per allocation, and torch rounds each to a power of two, so Qwen2.5-VL-7B at TP 2 pins 15.4 GB, not 8.3. The
+    plan must agree within 10 % with the allocator modelled from the 7B's config: vLLM's fused tensors (per layer qkv,
+    o, gate_up, down; per tower block qkv, proj, gate_up, down; the mergers, the patch embedding, the embedding and the
+    head), each its TP half in bf16 as a segment of torch's CUDA allocator (2 MiB steps above 10 MiB, 20 MiB segments
+    between 1 and 10, 2 MiB ones below), each segment's pinned block a power of two."""
+    h, kv, i, hv, iv, vocab = 3584, 512, 18944, 1280, 3420, 152064
+    layer = [(h + 2 * kv) * h, h * h, 2 * i * h, i * h]
+    block = [3 * hv * hv, hv * hv, 2 * iv * hv, iv * hv]
+    tensors = [vocab * h] * 2 + layer * 28 + block * 32 + [5120 * 5120, 5120 * h, 3 * 2 * 14 * 14 * hv]
+    mib, pinned = 2**20, 0
+    for n in tensors:
+        b = 2 * n // 2  # bf16, half of it on each TP rank
+        pinned += _pinned_by_hand(-(-b // (2 * mib)) * 2 * mib) if b >= 10 * mib else b * 32 / 20 if b > mib else b
+    pinned += 2 * (P_7B - sum(tensors)) / 2  # norms and biases, in 2 MiB segments (a power of two already)
+    planned = memory_plan.vllm_sleep_copy(KNOWN_SHAPES["Qwen/Qwen2.5-VL-7B-Instruct"], 2)
+    assert planned == pytest.approx(pinned, rel=0.10) and pinned / 1e9 == pytest.approx(15.4, abs=0.1)
+    assert not 2 * P_7B / 2 == pytest.approx(pinned, rel=0.10)  # the weights' own size, as planned before: 8.3 GB
+
+
+@pytest.mark.parametrize(
+    "config, model, per_layer_gb",
+    [
+        ("configs/qwen3_vl_30b_a3b_geo3k.yaml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 1.21),
+        ("configs/qwen3_5_35b_a3b_geo3k.yaml", "Qwen/Qwen3.5-35B-A3B", 1.61),
+    ],
+)
+def test_weight_sync_counts_a_moe_layers_experts_twice(config, model, per_layer_gb):
+    """Guards against planning the sync at one expert at a time: vLLM's layer-wise reload (0.26-0.33) keeps every
+    tensor sent to a layer until the layer is whole, then materialises its own copy (its TP slice) to load them into,
+    so a fused-MoE layer holds all its experts as sent (bf16, 3 x experts x hidden x expert width, from the config)
+    and again as materialised, beside vLLM's weights."""
+    with open(f"{config}") as f:
+        assert model in f.read()
+    s = KNOWN_SHAPES[model]
+    experts = 2 * 3 * s.experts * s.hidden * s.expert_intermediate
+    assert experts / 1e9 == pytest.approx(per_layer_gb, abs=0.005)
+    sync = plan_memory(load_config(config, NODE), 8).numbers["phases"]["weight sync"]
+    assert sync["layer reload"] == pytest.approx(experts * (1 + 1 / 2), rel=1e-12)  # TP 2

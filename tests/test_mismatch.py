@@ -169,6 +169,7 @@ def test_measure_splits_the_gap_by_modality():
         (["algorithm.rollout_rs=token_k2"], "rollout_rs_threshold=''"),
         (["algorithm.tis_cap=-1"], "algorithm.tis_cap=-1"),
         (["algorithm.mismatch_guard=-0.1"], "mismatch_guard=-0.1"),
+        (["algorithm.mismatch_action=warn"], "mismatch_action='warn'; valid: stop, skip"),
     ],
 )
 def test_bad_settings_fail_at_config_time(overrides, message):
@@ -227,6 +228,80 @@ def test_guard_leaves_tool_turns_out_and_still_sees_the_models_tokens(one_rank_g
         check_start([off], [sample], prompts, 0.01, 1)
 
 
+def _watched(alg, trainer, engine, carried, mb_rows, *, step=3, stats=None):
+    """Measure the micro-batches `mb_rows` (lists of row indices) of one optimizer step of image samples whose
+    engine log-probs are `engine` and the trainer's `trainer`, each with carried[i] carried tokens, and ask the
+    per-step watch; returns (its answer, the stats)."""
+    from types import SimpleNamespace
+
+    from mismatch import measure_and_correct, watch
+    from rollout import Sample
+
+    prompts = [SimpleNamespace(image_grid_thw=torch.ones(1, 3), video_grid_thw=None)]
+    samples = [Sample(0, [1] * len(e), e, "", False, carried=c) for e, c in zip(engine, carried)]
+    stats = dict.fromkeys(STATS, 0.0) if stats is None else stats
+    for mb in mb_rows:
+        measure_and_correct(_t(trainer)[mb], torch.ones(len(mb), len(trainer[0])), prompts, samples, mb, alg, stats)
+    return watch(stats, alg, step), stats
+
+
+def test_watch_stops_or_skips_a_later_step_past_the_guard_and_leaves_carried_tokens_out(one_rank_group, capsys):
+    """Guards against an engine whose state goes bad mid-run (stale caches after a sync, a state restored as garbage
+    after a wake) training the run for hours after the start check passed, and against the watch judging the tokens
+    a partial rollout carried from earlier steps: their engine log-probs are an older policy's, so a gap there is
+    no fault of the engine, while the same gap on the step's own tokens is. Also: each optimizer step judged on its
+    own samples, skip mode counting what it skipped, and bypass's later optimizer steps (the policy's own drift) not
+    judged."""
+    from mismatch import step_metrics
+
+    cfg = lambda *o: train_grpo.load_config(None, ["algorithm.mismatch_guard=0.01", *o]).algorithm  # noqa: E731
+    trainer = [[-1.0, -2.0, -0.5, -1.5]] * 2
+    far = [[-3.0, -5.0, -0.5, -1.5], [-3.0, -5.0, -0.5, -1.5]]  # 2 and 3 nats off on the first two tokens
+    ok, stats = _watched(cfg(), trainer, far, [2, 2], [[0, 1]])  # those two carried from an earlier step
+    assert ok and stats["mismatch/image/tokens"] == 4 and stats["mismatch/mask_tokens"] == 8
+    assert step_metrics(stats, cfg())["rollout/mismatch_kl/image"] == pytest.approx(0.0, abs=1e-12)
+    k3 = 2 * (E(2) - 3 + E(3) - 4) / 8  # the same gap on fresh tokens: x = 2, 3 twice; 5.12 over the 8 tokens
+    with pytest.raises(SystemExit, match=rf"the image samples of step 3 have a mean mismatch KL of {k3:.3g} over "):
+        _watched(cfg(), trainer, far, [0, 0], [[0], [1]])
+    with pytest.raises(SystemExit, match="algorithm.mismatch_action=skip"):
+        _watched(cfg(), trainer, far, [0, 1], [[0, 1]])  # one token carried: 5.2 a token
+    with pytest.raises(SystemExit, match="mismatch KL of nan"):  # an engine state gone to garbage
+        _watched(cfg(), trainer, [[float("nan")] * 4, trainer[1]], [0, 0], [[0, 1]])
+    ok, stats = _watched(cfg("algorithm.mismatch_action=skip"), trainer, far, [0, 0], [[0, 1]])
+    assert not ok and stats["mismatch/skipped_steps"] == 1
+    assert "warning: the image samples of step 3 have a mean mismatch KL of" in capsys.readouterr().out
+    assert step_metrics(stats, cfg("algorithm.mismatch_action=skip"))["actor/mismatch_skipped_steps"] == 1
+    # the next optimizer step's samples are judged alone: sound ones pass after the skipped step
+    ok, stats = _watched(cfg("algorithm.mismatch_action=skip"), trainer, trainer, [0, 0], [[0, 1]], stats=stats)
+    assert ok and stats["mismatch/skipped_steps"] == 1
+    assert _watched(cfg("algorithm.mismatch_guard=0"), trainer, far, [0, 0], [[0, 1]])[0]  # 0: off
+    # bypass: the first optimizer step is judged (the policy is the one that sampled), later ones are its drift
+    ok, stats = _watched(cfg("algorithm.rollout_bypass=true"), trainer, trainer, [0, 0], [[0, 1]])
+    assert ok and _watched(cfg("algorithm.rollout_bypass=true"), trainer, far, [0, 0], [[0, 1]], stats=stats)[0]
+    with pytest.raises(SystemExit):
+        _watched(cfg("algorithm.rollout_bypass=true"), trainer, far, [0, 0], [[0, 1]])
+
+
+def test_start_guard_leaves_carried_tokens_out(one_rank_group):
+    """Guards against the start guard (after a resume, with partial rollouts) stopping a sound run on the tokens an
+    answer carried from before: only the step's own tokens measure the engine."""
+    from types import SimpleNamespace
+
+    from mismatch import check_start
+    from rollout import Sample
+
+    prompts = [SimpleNamespace(image_grid_thw=None, video_grid_thw=None)]
+    trainer = _t([-1.0, -2.0, -0.5, -1.5])
+    engine = [-4.0, -6.0, -0.5, -1.5]
+    check_start([trainer], [Sample(0, [1, 2, 3, 4], engine, "", False, carried=2)], prompts, 0.01, 2)
+    with pytest.raises(SystemExit, match="the text samples of step 2 have a mismatch KL of"):
+        check_start([trainer], [Sample(0, [1, 2, 3, 4], engine, "", False, carried=1)], prompts, 0.01, 2)
+    garbage = [float("nan")] * 2 + engine[2:]  # NaN: past any bound on fresh tokens, out of the figure on carried
+    check_start([trainer], [Sample(0, [1, 2, 3, 4], garbage, "", False, carried=2)], prompts, 0.01, 2)
+    with pytest.raises(SystemExit, match="the text samples of step 2 have a mismatch KL of inf"):
+        check_start([trainer], [Sample(0, [1, 2, 3, 4], garbage, "", False, carried=1)], prompts, 0.01, 2)
+
+
 def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
     """configs/tiny.yaml on 2 ranks through tests/mismatch_check.py with `fault` injected into the engine; returns
     (the train rows of metrics.jsonl or None, stdout + stderr)."""
@@ -256,8 +331,9 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     """Guards against the silent failure of VLM RL runs: the engine samples a prompt whose image it never saw
     (here one prompt of rank 0 gets a blank image), the trainer scores it with the image, and the run trains on.
     The guard must stop it at step 1 naming the modality, the figure and the bound; the same run without the fault
-    must pass the guard and log every modality's mismatch; and a resume of that run with the fault must be stopped
-    at its first step, step 2."""
+    must pass the guard and log every modality's mismatch; when the engine's weights go bad after step 2's sync,
+    the per-step watch must stop every rank at step 2, before its checkpoint; and a resume of that run (from step 1)
+    with the lost image must be stopped at its first step, step 2."""
     rows, log = _demo_run(tmp_path / "fault", tiny_model_dir, "blank_image", "trainer.max_steps=1")
     assert rows is None, log[-3000:]
     assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
@@ -269,11 +345,16 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert len(said) == 1 and torchrun_failure and said[0] < torchrun_failure[0], log[-5000:]
     assert lines[said[0]].startswith("error: engine/trainer mismatch")
     assert not re.search(rf'File "{re.escape(REPO)}/(?!\.venv/)', log) and "failed in phase" not in log, log[-5000:]
-    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "none", "trainer.save_freq=1", steps=1)
-    assert rows is not None, log[-3000:]
-    (row,) = rows
-    assert row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "weights@2", "trainer.save_freq=1", steps=2)
+    assert rows is None, log[-3000:]
+    # the run stops with the message (said once, by rank 0), naming the modality, its figure and the bound
+    stops = re.findall(r"engine/trainer mismatch: the (text|image) samples of step 2 have a mean mismatch KL of "
+                       r"([0-9.e+-]+) over the model's tokens.*?above algorithm.mismatch_guard=0.01", log)  # fmt: skip
+    assert len(stops) == 1 and all(float(kl) > 0.01 for _, kl in stops), log[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "clean" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
     assert "rollout/mismatch_kl/video" not in row
+    assert not (tmp_path / "clean" / "run" / "checkpoints" / "step_2").exists()
     rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "blank_image", steps=2)
     assert rows is None and "the image samples of step 2 have a mismatch KL of" in log, log[-3000:]
 
@@ -297,12 +378,22 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
     log-probs come back with Gaussian noise (std 0.1, so the mismatch KL is about 0.1^2 / 2 = 5e-3 per token, under
     the guard) for the corrections to act on. The demo must learn in 15 steps on 2 ranks, the measured mismatch
     must be the injected one in every modality, and the corrections must show in their metrics."""
-    rows, log = _demo_run(tmp_path, tiny_model_dir, "noise", "actor.lr=3e-3", *CORRECTION_RUNS[name], steps=15, rows=96)
+    # the token run has the engine's weights go bad after step 8's sync too, with mismatch_action=skip
+    fault, skip = ("noise+weights@8", ["algorithm.mismatch_action=skip"]) if name == "token" else ("noise", [])
+    rows, log = _demo_run(tmp_path, tiny_model_dir, fault, "actor.lr=3e-3", *CORRECTION_RUNS[name], *skip, steps=15,
+                          rows=96)  # fmt: skip
     assert rows is not None, log[-3000:]
     assert [r["step"] for r in rows] == list(range(1, 16))
     first = sum(r["reward/overall"] for r in rows[:5]) / 5
     last = sum(r["reward/overall"] for r in rows[-5:]) / 5
     assert last > first + 0.1, (first, last)
+    if skip:  # step 8 warned, skipped and counted, its weights left as they were; every other step stepped
+        bad = rows.pop(7)
+        assert bad["actor/mismatch_skipped_steps"] == 1 and bad["actor/skipped_steps"] == 1, bad
+        assert "warning: the" in log and "samples of step 8 have a mean mismatch KL of" in log, log[-3000:]
+        assert all(r["actor/mismatch_skipped_steps"] == 0 and r["actor/skipped_steps"] == 0 for r in rows)
+        sums = [float(x) for x in re.findall(r"sync \d+: weights sum (\S+)", log)]
+        assert len(sums) == 15 and sums[8] == sums[7] and len(set(sums)) == 14, sums
     for r in rows:
         # bypass measures the current policy against the engine: the injected noise plus the drift of the step's
         # first optimizer step (lr 3e-3: 0.008 to 0.027 seen), and rejects more (0.27 to 0.53 seen)

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+import memory_plan
 import models
 import offload
 import optim
@@ -71,6 +73,12 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
         ), name
     assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
                for (_, old), (_, v) in zip(moments, _moments(optimizer)))  # fmt: skip
+    # what the host takes, against the plan's figure (the shards' and moments' exact bytes): the arenas within 10 %;
+    # a pinned block per tensor, as torch's allocator rounds it (memory_plan.pinned_block), far over
+    exact = sum(t.nbytes for t in away.values()) + sum(v.nbytes for _, v in moments)
+    arenas = sum(arena.block.numel() for arena in [*mover.arenas, mover.moments])
+    per_tensor = sum(memory_plan.pinned_block(t.nbytes) for t in [*away.values(), *(v for _, v in moments)])
+    assert exact <= arenas <= 1.1 * exact and per_tensor > 1.1 * exact, (exact, arenas, per_tensor)
     mover.onload(timings)
     assert set(timings) == {"time/offload", "time/onload"}
     back = {**_locals(model), **{f"ref.{n}": t for n, t in _locals(ref).items()}}
@@ -80,12 +88,13 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
     for (key, old), (_, new) in zip(moments, _moments(optimizer)):
         assert torch.equal(new, old), key  # still in host memory: they come to the device for the step alone
 
-    stored = _moments(optimizer)
+    stored = [(k, v.clone()) for k, v in _moments(optimizer)]
     torch.manual_seed(5)  # the same stochastic rounding draws for both (bf16)
     _train_step(model, optimizer, seed=2)
-    # the step hooks brought them in and sent the new ones out again: new storage, not the old moments updated
-    assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
-               for (_, old), (_, v) in zip(stored, _moments(optimizer)))  # fmt: skip
+    # the step hooks brought them in and sent the new ones out again, into the same host arena
+    arena = mover.moments.block.untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == arena for _, v in _moments(optimizer))
+    assert any(not torch.equal(v, old) for (_, old), (_, v) in zip(stored, _moments(optimizer)))
     torch.manual_seed(5)
     _train_step(twin, twin_optimizer, seed=2)
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
@@ -187,3 +196,102 @@ def test_precision_and_offload_config_errors_stop_before_loading(overrides, mess
     cfg = train_grpo.load_config("configs/tiny.yaml", overrides)
     with pytest.raises(train_grpo.ConfigError, match=re.escape(message)):
         train_grpo.check_config(cfg, 2)
+
+
+@pytest.fixture
+def rank_1_of_2():
+    """This process as rank 1 of 2 on torch's fake backend (collectives do nothing): FSDP2 gives it the short last
+    chunk of a parameter whose rows do not split evenly, as a real rank would get, without a second process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _uneven_model():
+    """Units whose parameters split unevenly over 2 ranks: 7 rows (rank 1 holds 3 of a padded 4), 3 rows (1 of 2),
+    1 row (none of 1), besides an even one."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 3), torch.nn.Linear(3, 1),
+                                torch.nn.Linear(1, 4))  # fmt: skip
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+class InFlightCopies:
+    """A stand-in for a CUDA stream's device-to-host copies: `moved` returns its copy with the rows not yet
+    written (NaN), as a non_blocking copy's destination is until the stream gets there, and `wait_for_copies` lands
+    them, as the stream's synchronize does. FSDP2's reset_sharded_param is watched for what it reads on the host."""
+
+    def __init__(self, monkeypatch):
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        self.pending, self.in_flight_at_reset = [], []
+        real_moved, real_reset = offload.moved, FSDPParam.reset_sharded_param
+
+        def moved(t, device, out=None):
+            copy = real_moved(t, device, out)
+            if not isinstance(copy, DTensor):  # (a DTensor's shard comes through here as a plain tensor)
+                self.pending.append((copy, copy.clone()))
+                copy.fill_(float("nan"))
+            return copy
+
+        def reset(param):
+            self.in_flight_at_reset.append(len(self.pending))
+            return real_reset(param)
+
+        monkeypatch.setattr(offload, "moved", moved)
+        monkeypatch.setattr(offload, "wait_for_copies", self.land)
+        monkeypatch.setattr(FSDPParam, "reset_sharded_param", reset)
+
+    def land(self):
+        for dst, value in self.pending:
+            dst.copy_(value)
+        self.pending.clear()
+
+
+def test_uneven_shards_survive_offload_round_trips_with_copies_in_flight(rank_1_of_2, monkeypatch):
+    """Guards against handing FSDP2 a shard whose copy is still in flight: FSDPModule._apply re-pads a shard shorter
+    than its padded size by reading it on the host (torch 2.11-2.14 reset_sharded_param), so a move that lets it do
+    so before the copies land re-pads rows not yet written, silently (Qwen2.5-VL's vision MLP, 3,420 rows over 8
+    ranks). With copies that land only when the host waits for them, no reset may run while one is in flight, and
+    three round trips must give every shard back bit for bit, in the padded layout FSDP2 all-gathers from."""
+    model = _uneven_model()
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    assert {n: t.shape[0] for n, t in before.items() if n.endswith("weight")} == {
+        "0.weight": 3, "1.weight": 1, "2.weight": 0, "3.weight": 2}  # fmt: skip
+    copies = InFlightCopies(monkeypatch)
+    arena = offload.HostArena(pin=False)
+    for _ in range(3):
+        offload.move_parameters(model, torch.device("cpu"), arena)
+        offload.move_parameters(model, torch.device("cpu"))
+        copies.land()  # (whatever the stream still held by now)
+    assert copies.in_flight_at_reset and not any(copies.in_flight_at_reset)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.to_local(), before[name]), name
+    for unit in model:  # the padded storage FSDP2 all-gathers from holds the same rows, then the padding's zeros
+        for fsdp_param in unit._get_fsdp_state()._fsdp_param_groups[0].fsdp_params:
+            rows = fsdp_param.sharded_param.to_local().shape[0]
+            padded = fsdp_param._sharded_param_data.view(fsdp_param.padded_sharded_param_size)
+            assert torch.equal(padded[:rows], fsdp_param.sharded_param.to_local())
+            assert not padded[rows:].any()
+
+
+def test_host_arena_takes_its_exact_size_and_reuses_it():
+    """Guards against host memory per tensor (torch's pinned allocator rounds each block to a power of two: 1.5x on
+    average, 2x at worst): an arena is one block of the tensors' bytes, each slice aligned, reused when the same
+    shapes come again and replaced when they change."""
+    arena = offload.HostArena(pin=False)
+    tensors = [torch.randn(3, 5), torch.zeros(0), torch.randn(7, dtype=torch.float64).to(torch.bfloat16)]
+    views = arena.views(tensors)
+    assert [(v.shape, v.dtype) for v in views] == [(t.shape, t.dtype) for t in tensors]
+    assert arena.block.numel() == offload.HostArena.bytes_for([60, 0, 14]) == 2 * offload.ALIGN
+    assert all(v.data_ptr() % offload.ALIGN == 0 for v in views if v.numel())
+    block = arena.block.data_ptr()
+    assert arena.views(tensors)[0].data_ptr() == block  # the same shapes: the same block
+    assert arena.views(tensors[:1])[0].numel() == 15 and arena.block.numel() == offload.ALIGN

@@ -12,11 +12,13 @@ from reward import (  # noqa: E402
     FORMAT_REGEX,
     MAX_DEFAULT_WORKERS,
     RewardScorer,
+    call_reward,
     compute_score,
     default_num_workers,
     digit_fraction,
     has_format,
     is_equivalent,
+    keyword_columns,
     last_boxed,
     load_reward_fn,
 )
@@ -259,6 +261,113 @@ def test_worker_crash_gives_zeros_and_recovers(user_spec):
         got = scorer.score(["crash", "abcde"], ["", "abcde"])
     assert got[0]["overall"] == 0.0 and got[1]["accuracy"] == 1.0
     assert (scorer.n_errors, scorer.n_timeouts) == (1, 0)
+
+
+# -----------------------------------------------------------------------------
+# the contract of a user's reward: what it returns, what it gets, what stops the run
+
+CONTRACT_REWARDS = """
+def as_float(response, ground_truth):
+    return float(response == ground_truth)
+
+def as_string(response, ground_truth):
+    return "1.0"
+
+def raising(response, ground_truth):
+    raise KeyError("no such key")
+
+def with_columns(response, ground_truth, question, level, prompt=None):
+    return {"overall": float(level), "asked": float(question.endswith("?")), "prompted": float(prompt is not None)}
+
+def with_kwargs(response, ground_truth, **columns):
+    return {"overall": 1.0, "n_columns": float(len(columns)), "has_question": float("question" in columns)}
+"""
+
+
+def test_call_reward_takes_a_number_or_a_dict_with_overall():
+    """Guards against a float-returning reward (TRL's kind, verl's compute_score may return one) scoring 0 on every
+    answer with an uncounted TypeError, and against a wrong value passing as a score."""
+    assert call_reward(lambda r, g: 0.25, "x", "y") == {"overall": 0.25}
+    assert call_reward(lambda r, g: 1, "x", "y") == {"overall": 1.0}
+    assert call_reward(lambda r, g: {"overall": 1, "format": 0.5}, "x", "y") == {"overall": 1.0, "format": 0.5}
+    for value, message in (("1.0", "returned str '1.0'"), ({"accuracy": 1.0}, "returned dict"),
+                           (None, "returned NoneType"), ({"overall": 1.0, "note": "x"}, "'note' is 'x'"),
+                           (float("nan"), "'overall' is nan, not a finite number")):  # fmt: skip
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call_reward(lambda r, g, v=value: v, "x", "y")
+
+
+def test_keyword_columns_follow_the_signature():
+    """Guards against a reward getting arguments it did not ask for (a TypeError on every answer) or not getting the
+    ones it names: the two positional ones stay as they were, further names and **kwargs ask for the row."""
+    assert keyword_columns(lambda response, ground_truth: 0) == frozenset()
+    assert keyword_columns(lambda r, g, question, *, image=None: 0) == {"question", "image"}
+    assert keyword_columns(lambda r, g, **kw: 0) is True
+    assert keyword_columns(len) == frozenset()  # no signature: called with the two
+
+
+@pytest.fixture
+def contract_file(tmp_path):
+    path = tmp_path / "contract.py"
+    path.write_text(CONTRACT_REWARDS)
+    return str(path)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_keyword_columns_reach_the_function(contract_file, timeout):
+    """Guards against the question, the prompt and the row's columns not reaching a reward that asks for them, in the
+    rank and in the worker processes, and against a reward that asks for nothing getting them."""
+    from types import SimpleNamespace
+
+    ex = SimpleNamespace(problem="<image>What is x?", prompt="<chat>What is x?</chat>", answer="3",
+                         columns={"level": 4, "answer": "3", "image": {"bytes": b"png"}})  # fmt: skip
+    with RewardScorer(f"{contract_file}:with_columns", timeout=timeout) as scorer:
+        assert scorer.columns == {"question", "level", "prompt"}
+        got = scorer.score(["a", "b"], ["3", "3"], [ex, ex])
+    assert got == [{"overall": 4.0, "asked": 1.0, "prompted": 1.0}] * 2
+    assert scorer.extra_keys() == ["asked", "prompted"]
+    with RewardScorer(f"{contract_file}:with_kwargs", timeout=timeout) as scorer:
+        got = scorer.score(["a"], ["3"], [ex])
+    assert got[0]["n_columns"] == 5 and got[0]["has_question"] == 1.0  # level, answer, image, question, prompt
+    with RewardScorer(f"{contract_file}:as_float", timeout=timeout) as scorer:
+        assert scorer.score(["3", "4"], ["3", "3"], [ex, ex]) == [{"overall": 1.0}, {"overall": 0.0}]
+
+
+@pytest.mark.parametrize("name, error", [("as_string", "TypeError: the reward function returned str '1.0'"),
+                                         ("raising", "KeyError: 'no such key'")])  # fmt: skip
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_a_reward_failing_on_every_answer_stops_with_its_error(contract_file, name, error, timeout):
+    """Guards against a reward that fails on every answer training a whole run at reward 0 with exit 0: the step stops
+    on every rank (the caller has compared the ranks), in one line with the function's error and the answer."""
+    with RewardScorer(f"{contract_file}:{name}", timeout=timeout) as scorer:
+        scorer.score(["answer one", "answer two"], ["1", "2"])
+        assert scorer.all_failed() and scorer.n_errors == 2
+        with pytest.raises(SystemExit) as stop:
+            scorer.report_failures(1, everywhere=True, first_rank=0, rank=0)
+    message = str(stop.value)
+    assert message.startswith("error: step 1: the reward function failed on every answer") and "\n" not in message
+    assert error in message and "(on the answer 'answer one')" in message
+    assert f"reward.reward_fn={contract_file}:{name}" in message
+
+
+def test_isolated_failures_print_the_first_error_once_a_step(user_spec, capsys):
+    """Guards against isolated failures (one hostile answer) stopping the run, printing nothing, or printing on every
+    rank and every round: the first rank with a failure prints its first error, once a step."""
+    with RewardScorer(user_spec, timeout=None) as scorer:
+        scorer.score(["raise", "abcde"], ["", "abcde"])
+        assert not scorer.all_failed()
+        scorer.report_failures(3, everywhere=False, first_rank=0, rank=0)
+        scorer.report_failures(3, everywhere=False, first_rank=0, rank=0)  # a second round of step 3
+        scorer.report_failures(4, everywhere=False, first_rank=1, rank=0)  # rank 1 prints step 4's
+    out = capsys.readouterr().out
+    assert out.count("reward: step") == 1 and "step 3: 1 of 2 answers on rank 0 failed to grade" in out
+    assert "RuntimeError: bad input (on the answer 'raise')" in out
+
+
+def test_a_misspelled_function_lists_the_file_s_functions(contract_file):
+    """Guards against a typo in reward.reward_fn naming only what is missing, not what the file has."""
+    with pytest.raises(ValueError, match="has no function 'as_flaot' .its functions: as_float, as_string, raising"):
+        load_reward_fn(f"{contract_file}:as_flaot")
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,60 @@ def test_one_gpu_per_task_uses_it_whatever_the_local_rank():
         runtime.cuda_index(5, 4)
 
 
+def vllm_launcher_device(env, device_count: int) -> int:
+    """The CUDA device vLLM's external_launcher opens, as 0.26.0 and 0.33.0 pick it (the same code in both):
+    ExecutorWithExternalLauncher._distributed_args reads int(os.environ["LOCAL_RANK"]); get_local_gpu_index (0.33;
+    0.26 inline in Worker.init_device) leaves it as it is for external_launcher; with no assigned_physical_gpu_ids the
+    worker asserts it is below torch.accelerator.device_count(); logical_device_id_to_visible_device_id maps it
+    through CUDA_VISIBLE_DEVICES (the physical id at that position, then that id's visible index)."""
+    local_rank = int(env["LOCAL_RANK"])
+    assert local_rank < device_count, (
+        f"DP adjusted local rank {local_rank} is out of bounds for {device_count} devices."
+    )
+    visible = env.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible:
+        return local_rank
+    ids = [int(x) for x in visible.split(",")]
+    return ids.index(ids[local_rank])
+
+
+@pytest.mark.parametrize("layout", ["torchrun", "srun one GPU per task", "srun all GPUs visible"])
+def test_vllm_opens_the_gpu_the_trainer_chose(monkeypatch, layout):
+    """Guards against `srun --ntasks-per-node=8 --gpus-per-task=1`: the trainer rightly takes each task's one GPU as
+    cuda:0, but vLLM's external_launcher takes cuda:LOCAL_RANK, and LOCAL_RANK was the task's Slurm local id, so every
+    task but the first died at engine start ("local rank 5 is out of bounds for 1 devices"). For each launch layout
+    of an 8-GPU node: setup_distributed's CUDA branch (init_process_group a stand-in), then vLLM's own choice."""
+    import torch
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.setenv(key, "")  # recorded, so that what setup_distributed sets is undone after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # setup_distributed wraps it: restored after the test
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for local_id in (0, 5):
+        if layout == "torchrun":  # torchrun's variables, every GPU of the node visible
+            env, gpus = {"RANK": str(8 + local_id), "WORLD_SIZE": "16", "LOCAL_RANK": str(local_id)}, 8
+        else:  # Slurm's: --gpus-per-task=1 makes CUDA_VISIBLE_DEVICES the task's own GPU
+            env = {"SLURM_PROCID": str(8 + local_id), "SLURM_NTASKS": "16", "SLURM_LOCALID": str(local_id)}
+            one = layout == "srun one GPU per task"
+            env["CUDA_VISIBLE_DEVICES"], gpus = (str(local_id), 1) if one else (",".join(map(str, range(8))), 8)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=gpus: n)
+        _, _, device = runtime.setup_distributed()
+        assert vllm_launcher_device(os.environ, gpus) == device.index
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = int(visible.split(",")[device.index]) if visible else device.index
+        assert physical == local_id  # each task on its own GPU of the node
+        monkeypatch.delenv("RANK", raising=False)
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+
 def test_checkpoint_of_another_architecture_stops_before_loading(tmp_path, tiny_model_dir, capsys):
     """Guards against loading a checkpoint of a family we do not support (here Qwen3-Omni's MoE) into one we do:
     transformers warns about the weights it leaves random, and the run trains the half-random model and exits 0."""

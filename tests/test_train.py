@@ -82,20 +82,32 @@ def test_surplus_micro_batch_adds_nothing(tiny_model_dir, tmp_path, monkeypatch)
         assert padded["stats"][key] == pytest.approx(plain["stats"][key], rel=1e-5), key
 
 
+# The demo's toy reward as a user would write it: a float (TRL's kind), asking for the row's question and images by
+# keyword. If they do not arrive, the assert fails on every answer and the run stops at step 1.
+FLOAT_REWARD = """
+def digits(response, ground_truth, question, images):
+    assert "<image>" in question and images[0]["bytes"], "the row's question and images reach the reward"
+    chars = [c for c in response if not c.isspace()]
+    return sum(c in "0123456789" for c in chars) / len(chars) if chars else 0.0
+"""
+
+
 def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     """Guards against a loop that runs but does not learn: 2 ranks, HF rollout, FSDP2 over gloo, validation and the
-    final export; the reward must rise, every loss be finite and every weight change."""
+    final export; the reward must rise, every loss be finite and every weight change. The reward returns a float and
+    takes the row's columns by keyword (a float once scored 0 on every answer, silently, to the end of the run)."""
     from safetensors.torch import load_file
 
     from scripts.make_synthetic_data import make_geo3k_like
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=96, seed=0)
     val = make_geo3k_like(str(tmp_path / "val.parquet"), n_rows=8, seed=1)
+    (tmp_path / "float_reward.py").write_text(FLOAT_REWARD)
     out_dir = tmp_path / "run"
     stdout = torchrun(
         2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=20",
-        "trainer.val_freq=10", "actor.lr=3e-3",
+        "trainer.val_freq=10", "actor.lr=3e-3", f"reward.reward_fn={tmp_path / 'float_reward.py'}:digits",
     )  # fmt: skip
     assert "step 20/20" in stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -111,6 +123,7 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
         assert all(torch.isfinite(torch.tensor(r[k])) for k in required)
     assert "val/accuracy" in rows[0] and "val/accuracy" in train_rows[9] and "val/accuracy" in train_rows[19]
     assert all(r["reward/timeouts_step"] == 0 for r in train_rows)  # the toy reward never hangs
+    assert all(r["reward/errors"] == 0 for r in train_rows) and "failed to grade" not in stdout
     first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
     assert last > first + 0.1, (first, last)

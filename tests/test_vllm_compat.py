@@ -66,8 +66,8 @@ def test_teardown_is_skipped_where_the_client_has_a_finalizer():
 
 
 def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
-    """Guards against vLLM's sampler probing flashinfer at engine start where it is not installed (the vLLM 0.26 kit
-    for offline GPU machines: the probe raises), and against switching it off where it is there or a user chose."""
+    """Guards against vLLM's sampler probing flashinfer at engine start where it is not installed (an install of
+    vLLM 0.26 without it: the probe raises), and against switching it off where it is there or a user chose."""
     find_spec = importlib.util.find_spec
     for installed, on_cuda, user, want in [(False, True, None, "0"), (True, True, None, None),
                                            (False, False, None, None), (False, True, "1", "1")]:  # fmt: skip
@@ -80,6 +80,143 @@ def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
         )  # fmt: skip
         vllm_compat.sampler_environment(on_cuda)
         assert __import__("os").environ.get("VLLM_USE_FLASHINFER_SAMPLER") == want, (installed, on_cuda, user)
+
+
+@pytest.mark.parametrize("client", ["0.26", "0.33"])
+@pytest.mark.parametrize("engine_kind", ["vllm asleep", "vllm awake", "hf"])
+def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engine_kind):
+    """Guards against the end of a run leaving vLLM's engine to exit hooks: its groups, NCCL communicators and
+    CuMemAllocator pools were torn down after destroy_process_group (an abort of a run that succeeded), and a
+    sleeping engine's memory freed unmapped (a CUDA error per allocation). runtime.shut_down with stand-ins of vLLM's
+    in-process clients (0.26: shutdown() calls EngineCore.shutdown(); 0.33: only while its finalizer is attached,
+    and skip_engine_teardown detached it at start) and of EngineCore.shutdown (worker, then vLLM's groups, then
+    destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both)."""
+    import torch.distributed as dist
+
+    import rollout
+    import runtime
+
+    events, group = [], {"up": True}
+
+    def destroy_process_group():
+        if not group["up"]:
+            raise AssertionError("Process group cannot be None")  # torch's second destroy
+        group["up"] = False
+        events.append("process group destroyed")
+
+    class EngineCore:
+        def shutdown(self):
+            events.extend(["worker shut down", "vllm groups destroyed"])
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    class InprocClient026:
+        def __init__(self):
+            self.engine_core = EngineCore()
+
+        def shutdown(self):
+            self.engine_core.shutdown()
+
+    class InprocClient033(InprocClient026):
+        def __init__(self):
+            super().__init__()
+            self._finalizer = weakref.finalize(self, self.engine_core.shutdown)
+
+        def shutdown(self):
+            if self._finalizer.detach() is not None:
+                self.engine_core.shutdown()
+
+    class LLM:
+        def __init__(self):
+            self.llm_engine = type("LLMEngine", (), {})()
+            self.llm_engine.engine_core = {"0.26": InprocClient026, "0.33": InprocClient033}[client]()
+
+        def wake_up(self, tags):
+            events.append(f"woke {sorted(tags)}")
+
+    monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: group["up"])
+    monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
+    offload = type("Offload", (), {"offload": lambda self, timings: events.append("trainer state to host")})()
+    if engine_kind == "hf":
+        engine = object.__new__(rollout.HFEngine)
+    else:
+        engine = object.__new__(rollout.VLLMEngine)
+        engine.llm, engine.offload, engine.timings = LLM(), offload, dict.fromkeys(["time/wake"], 0.0)
+        engine.asleep = {"weights", "kv_cache"} if engine_kind == "vllm asleep" else set()
+        vllm_compat.skip_engine_teardown(engine.llm)  # as the engine does at start
+    runtime.shut_down(engine)
+    vllm_end = ["worker shut down", "vllm groups destroyed", "process group destroyed"]
+    want = {"hf": ["barrier", "process group destroyed"], "vllm awake": ["barrier", *vllm_end],
+            "vllm asleep": ["barrier", "trainer state to host", "woke ['kv_cache', 'weights']", *vllm_end]}  # fmt: skip
+    assert events == want[engine_kind]
+
+
+def v2_runner_033(env) -> bool:
+    """vLLM 0.33.0's VllmConfig.use_v2_model_runner for the trainer's engines (no HiSparse, no watermarking, no
+    speculative decoding or pipeline parallelism: nothing V2 lacks), on CUDA with Triton: VLLM_USE_V2_MODEL_RUNNER
+    when set (envs.maybe_convert_bool), else V2."""
+    value = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    return bool(int(value)) if value is not None else True
+
+
+def v2_runner_026(env, architecture: str, moe: bool, hybrid: bool) -> bool:
+    """vLLM 0.26.0's, the same engines on CUDA with Triton: the variable when set, else V2 only for a generative model
+    that is not hybrid and not MoE (unless its architecture is in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES)."""
+    value = env.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value is not None:
+        return bool(int(value))
+    listed = {"DeepseekV2ForCausalLM", "GraniteMoeForCausalLM", "InklingForCausalLM",
+              "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM", "Qwen2MoeForCausalLM"}  # fmt: skip
+    return not hybrid and (architecture in listed or not moe)
+
+
+# the families' engines as vLLM 0.26 classifies them: (architecture, MoE, hybrid)
+FAMILY_RUNNER_INPUTS = {
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", False, False),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", False, False),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", False, True),
+    "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True, False),
+}
+
+
+@pytest.mark.parametrize("user", [None, "0", "1"])
+def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_model_dir, user):
+    """Guards against the first GPU run taking Model Runner V2, which no test here has run (vLLM 0.33 takes it on CUDA
+    whenever Triton imports, 0.26 for the dense families only; the CPU builds run V1), and against overriding a user
+    who chose a runner. VLLMEngine is started as on a CUDA node, with a stand-in LLM that reads the environment as
+    vLLM 0.26's and 0.33's config does when the engine is built."""
+    import torch
+    import torch.distributed as dist
+    import vllm
+
+    import rollout
+    import train_grpo
+
+    class Built(Exception):
+        pass
+
+    def llm(**kwargs):
+        raise Built({"0.33": v2_runner_033(os.environ)} | {
+            f"0.26 {family}": v2_runner_026(os.environ, *inputs) for family, inputs in FAMILY_RUNNER_INPUTS.items()
+        })  # fmt: skip
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # what the engine sets stays in this test
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if user is not None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = user
+    monkeypatch.setattr(vllm, "LLM", llm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={tiny_model_dir}",
+                                        "rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0",
+                                        "trainer.verbose=true"])  # fmt: skip
+    from transformers import AutoProcessor
+
+    with pytest.raises(Built) as built:
+        rollout.VLLMEngine(cfg, AutoProcessor.from_pretrained(tiny_model_dir))
+    v2 = user == "1"  # the user's choice, else V1 in every version and family
+    assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
 
 
 def test_noise_filter_knows_each_versions_logger(monkeypatch):

@@ -251,11 +251,15 @@ def main():
         check_expert_adapters(cfg, engine, model_dir, device, (text, image), ids, params, seed, result)
     engine.sleep()
 
+    runtime.shut_down(engine)  # as the trainer ends: the engine, then the process group
+    from vllm.distributed import parallel_state
+
+    # what is left of vLLM's parallel state (its groups, the world group) and of torch.distributed
+    result["after_shut_down"] = [parallel_state.model_parallel_is_initialized(), parallel_state._WORLD is not None,
+                                 dist.is_initialized()]  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import json
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
@@ -76,8 +75,7 @@ def main():
     engine.sleep()
     with open(out_path, "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
 
 
 if __name__ == "__main__":

@@ -1,0 +1,170 @@
+"""What a run checks before it spends its GPUs, and the data arguments the run and its checks share.
+
+`python train_grpo.py CONFIG --dry-run` reads the config, checks it and its paths and prints the memory plan for the
+world it is told (train_grpo.main), then runs dry_run here: every check that needs no GPU, one line each, "ok" with
+what it saw, "FAIL" with the key to change, or "skip" when a check it needs failed:
+
+    model     actor.model_path: the checkpoint's config and processor load (a hub id needs the hub, or its cache
+              under HF_HUB_OFFLINE=1; an unreachable hub is one line, not five retries)
+    data      data.train_files, data.val_files: the configured keys are columns of the files; a sample of rows
+              parses, its images and videos decode, its prompts fit data.max_prompt_length
+    reward    reward.reward_fn: it imports, and a call on a sample answer (the sample row's own ground truth,
+              boxed) returns a number or a dict with "overall", with the keyword columns it asks for
+    tools     rollout.tools: they load and have schemas (train_grpo.check_config loaded them already)
+
+Exit 0 only when every check passed. Nothing here needs torch.distributed, a GPU or the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlparse
+
+import turns
+from data import MissingColumn, PromptDataset, local_files
+from reward import call_reward, keyword_columns, load_reward_fn, resolve_spec, reward_kwargs
+from rollout import check_prompt_limits, data_media
+from runtime import resolve_path
+
+SAMPLE_ROWS = 64  # rows of each data file a dry run parses (images decoded, prompts counted)
+HUB_TIMEOUT_S = 3.0  # a dry run's wait for the hub before it says it cannot reach it
+
+
+class Failed(Exception):
+    """A check's one-line failure: the key to change and what is wrong."""
+
+
+def dataset_kwargs(cfg, processor, columns: bool | frozenset[str] = frozenset(), sample_rows: int = 0) -> dict:
+    """PromptDataset's arguments from the config: the same prompts in the run and in its dry run. `columns`: what
+    the reward function asks for of each row (reward.keyword_columns)."""
+    d = cfg.data
+    return dict(
+        prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,
+        video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
+        video_max_pixels=d.video_max_pixels, format_prompt=resolve_path(d.format_prompt) or None,
+        **turns.offer_tools(cfg.rollout, processor, d.system_prompt or None),  # the tools' offer, when there are any
+        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
+        filter_overlong_prompts=d.filter_overlong_prompts, columns=columns, sample_rows=sample_rows,
+    )  # fmt: skip
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "")
+
+
+def hub_reachable() -> bool:
+    """Whether a TCP connection to the hub opens within HUB_TIMEOUT_S (the libraries retry for minutes)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_TIMEOUT_S).close()
+        return True
+    except OSError:
+        return False
+
+
+def need_hub(key: str, value: str) -> None:
+    if not hub_offline() and not hub_reachable():
+        raise Failed(f"{key}={value!r}: cannot reach the hub: use a local path or HF_HUB_OFFLINE=1")
+
+
+def check_model(cfg):
+    """The checkpoint's config and processor; returns (line, processor)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    path = cfg.actor.model_path
+    if not os.path.isdir(path):
+        need_hub("actor.model_path", path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        processor = AutoProcessor.from_pretrained(path)
+    except Exception as e:
+        raise Failed(f"actor.model_path={path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return f"{config.model_type} config and {type(processor).__name__} from {path}", processor
+
+
+def check_data(cfg, processor, columns):
+    """A sample of each data spec's rows, as the run reads them; returns (line, the train sample's datasets)."""
+    kwargs = dataset_kwargs(cfg, processor, columns, sample_rows=SAMPLE_ROWS)
+    sets, lines = [], []
+    for key in ("train_files", "val_files"):
+        spec = getattr(cfg.data, key)
+        if not spec:
+            continue
+        if local_files(spec) is None:  # a hub dataset
+            need_hub(f"data.{key}", spec)
+        try:
+            dataset = PromptDataset(spec, processor, **kwargs)
+        except (MissingColumn, ValueError, OSError) as e:  # no usable row, no prompt that fits, unreadable file
+            raise Failed(f"data.{key}: {str(e).removeprefix('error: ').splitlines()[0]}") from None
+        sets.append(dataset)
+        longest = max(ex.num_prompt_tokens for ex in dataset.examples)
+        lines.append(f"{key}: {len(dataset)} sampled prompts parse ({dataset.n_skipped} bad rows, "
+                     f"{dataset.n_overlong} over max_prompt_length={cfg.data.max_prompt_length}; longest kept "
+                     f"{longest} tokens)")  # fmt: skip
+    try:
+        check_prompt_limits(cfg.rollout, sets)
+    except SystemExit as e:
+        raise Failed(str(e)) from None
+    return f"{'; '.join(lines)}; {data_media(sets)}", sets
+
+
+def load_reward(cfg):
+    """The reward function, loaded as the run's workers load it; Failed names the spec when it does not."""
+    try:
+        return load_reward_fn("{}:{}".format(*resolve_spec(cfg.reward.reward_fn)))
+    except ValueError as e:
+        raise Failed(f"reward.reward_fn: {e}") from None
+
+
+def check_reward(cfg, fn, sample):
+    """The reward function grades a sample answer (the sample row's ground truth, boxed) with a valid value."""
+    spec, wanted = cfg.reward.reward_fn, keyword_columns(fn)
+    truth = sample.answer if sample else "1"
+    answer = f"<think>a sample answer</think> The answer is \\boxed{{{truth}}}"
+    try:
+        result = call_reward(fn, answer, truth, **(reward_kwargs(sample, wanted) if sample else {}))
+    except Exception as e:
+        raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})") from None
+    asks = "every column" if wanted is True else ", ".join(sorted(wanted)) or "no column"
+    return f"{spec} returns {result} on a sample answer; it asks for {asks} by keyword", None
+
+
+def dry_run(cfg, world: int) -> int:
+    """Every check that needs no GPU, after main's config checks and memory plan; 0 when all pass, else 1."""
+    t = cfg.trainer
+    nodes = f"{t.nnodes} nodes x {world // t.nnodes}" if t.nnodes else f"{world}"
+    report = [(True, "config and paths", "the keys, their types and values; the model and data paths exist"),
+              (True, "memory plan", f"fits {nodes} GPUs (trainer.nnodes, trainer.n_gpus_per_node)")]  # fmt: skip
+
+    def run(name, check, *args):
+        try:
+            line, out = check(*args)
+        except Failed as e:
+            report.append((False, name, str(e)))
+            return None
+        report.append((True, name, line))
+        return out
+
+    processor = run("model", check_model, cfg)
+    try:
+        fn, reward_problem = load_reward(cfg), None
+    except Failed as e:
+        fn, reward_problem = None, e
+    datasets = None
+    if processor is None:
+        report.append((None, "data", "not checked: it needs the model's processor"))
+    else:
+        datasets = run("data", check_data, cfg, processor, keyword_columns(fn) if fn else frozenset())
+    if fn is None:
+        report.append((False, "reward", str(reward_problem)))
+    elif keyword_columns(fn) and not datasets:
+        report.append((None, "reward", "not called: it asks for the row's columns, and no data sample was read"))
+    else:
+        run("reward", check_reward, cfg, fn, datasets[0].examples[0] if datasets else None)
+    report.append((True, "tools", ", ".join(cfg.rollout.tools) or "none (rollout.tools)"))
+    for ok, name, line in report:  # ok: True passed, False failed, None not checked (a check it needs failed)
+        print(f"{ {True: 'ok  ', False: 'FAIL', None: 'skip'}[ok] }  {name}: {line}", flush=True)
+    passed = sum(ok is True for ok, _, _ in report)
+    print(f"dry run: {passed} of {len(report)} checks passed", flush=True)
+    return 0 if passed == len(report) else 1

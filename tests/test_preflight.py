@@ -1,0 +1,99 @@
+"""`train_grpo.py CONFIG --dry-run` (preflight.py): every check that needs no GPU, in-process with the tiny model and a
+small synthetic file; each mistake a user makes with their own data and reward is one FAIL line naming the key."""
+
+import re
+
+import pytest
+
+import preflight
+import train_grpo
+from scripts.make_synthetic_data import make_geo3k_like
+
+REWARDS = """
+def good(response, ground_truth, question, **columns):
+    return {"overall": float(ground_truth in response), "has_images": float("images" in columns)}
+
+def wrong_type(response, ground_truth):
+    return "correct"
+"""
+
+
+@pytest.fixture
+def dry_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """main([...tiny config..., *overrides, "--dry-run"]) -> (exit code, stdout lines). Nothing may form a process
+    group or load weights."""
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=8, seed=0)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    monkeypatch.setattr(train_grpo, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
+    base = ["configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={data}",
+            f"data.val_files={data}", f"reward.reward_fn={tmp_path / 'rewards.py'}:good"]  # fmt: skip
+
+    def run(*overrides):
+        code = train_grpo.main([*base, *overrides, "--dry-run"])
+        return code, capsys.readouterr().out.splitlines()
+
+    run.dir = tmp_path
+    return run
+
+
+def test_a_good_config_passes_and_says_what_it_checked(dry_run):
+    """Guards against a dry run that checks the memory plan alone, or passes without saying what it looked at."""
+    code, lines = dry_run("trainer.nnodes=2", "trainer.n_gpus_per_node=8")
+    assert code == 0, lines
+    checked = [line for line in lines if line.startswith("ok ")]
+    assert [line.split(":")[0].split(maxsplit=1)[1] for line in checked] == [
+        "config and paths", "memory plan", "model", "data", "reward", "tools"
+    ]  # fmt: skip
+    text = "\n".join(lines)
+    assert "fits 2 nodes x 8 GPUs" in text and "world 16" in text  # the world it was told, not one node
+    assert "train_files: 8 sampled prompts parse (0 bad rows" in text and "images in 16 prompts" in text
+    assert "returns {'overall': 1.0, 'has_images': 1.0} on a sample answer" in text  # the row's columns reached it
+    assert lines[-1] == "dry run: 6 of 6 checks passed"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "reward.reward_fn={dir}/rewards.py:goood",
+            "FAIL  reward: reward.reward_fn: reward spec '{dir}/rewards.py:goood': "
+            "{dir}/rewards.py has no function 'goood' (its functions: good, wrong_type)",
+        ),
+        (
+            "reward.reward_fn={dir}/rewards.py:wrong_type",
+            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:wrong_type': "
+            "TypeError: the reward function returned str 'correct'; it must return a number or a dict with an "
+            "'overall' key",
+        ),
+        (
+            "data.prompt_key=question",
+            "FAIL  data: data.train_files: {dir}/train.parquet: no row has "
+            "data.prompt_key='question'; the file's columns: ['answer', 'images', 'problem']",
+        ),
+        (
+            "data.image_key=image",
+            "FAIL  data: data.train_files: {dir}/train.parquet: no row has "
+            "data.image_key='image'; the file's columns: ['answer', 'images', 'problem']",
+        ),
+    ],
+)
+def test_each_mistake_fails_in_one_line_naming_the_key(dry_run, override, expected):
+    """Guards against a misspelled reward function, a reward of the wrong type, a missing data column or an image
+    column no row has reaching the GPUs (the engine's start, the process group) before anything says so."""
+    code, lines = dry_run(override.format(dir=dry_run.dir))
+    assert code == 1
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert len(failed) == 1 and failed[0].startswith(expected.format(dir=dry_run.dir)), failed
+    assert lines[-1] == f"dry run: {4 if 'data.' in override else 5} of 6 checks passed"  # (data: reward not called)
+
+
+def test_an_unreachable_hub_is_one_line(dry_run, monkeypatch):
+    """Guards against a hub id on a machine without the hub retrying for minutes instead of saying what to do."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(preflight, "hub_reachable", lambda: False)
+    code, lines = dry_run("actor.model_path=Qwen/Qwen2.5-VL-3B-Instruct")  # (a size the memory plan knows)
+    assert code == 1
+    expected = "FAIL  model: actor.model_path='Qwen/Qwen2.5-VL-3B-Instruct': cannot reach the hub: use a local path or "
+    assert [line for line in lines if line.startswith("FAIL")] == [expected + "HF_HUB_OFFLINE=1"]
+    assert "skip  data: not checked: it needs the model's processor" in lines
+    assert not re.search("retry|Retrying", "\n".join(lines))
