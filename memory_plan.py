@@ -451,6 +451,7 @@ class Settings:
     video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
+    mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -774,6 +775,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         vllm_bytes=vllm_bytes,
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
+        mm_cache_gb=r.mm_cache_gb,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),
@@ -870,6 +872,9 @@ def format_plan(plan: Plan) -> str:
         f"host memory per node at load, GiB: {ranks} x ({per_rank}) = "
         f"{_gib(x.ranks_per_node * sum(host.values()))}{limit}, plus each process's own"
     )
+    if x.engine == "vllm" and x.mm_cache_gb:  # the one cache that fills as a run goes on (docs/memory.md)
+        lines.append(f"  + during the run: vLLM's processed images and videos, up to {x.mm_cache_gb:g} GiB per rank "
+                     "(rollout.mm_cache_gb)")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -394,6 +394,10 @@ class VLLMEngine:
                 # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
                 # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
                 logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
+                # vLLM keeps the images and clips it has processed (their pixels, host memory) for requests that
+                # bring them again, by default up to 4 GiB per rank: epochs of a large image set or a tool run's
+                # ever-new crops fill it, 32 GiB on a node of 8. memory_plan.py counts the cap in host memory.
+                mm_processor_cache_gb=r.mm_cache_gb,
                 use_tqdm_on_load=not quiet,  # its progress bar for loading the checkpoint: with trainer.verbose
                 **platform,
             )
@@ -484,6 +488,7 @@ class VLLMEngine:
         # cache but not the scheduler's record of it, which then skips re-encoding ("Encoder cache miss"): reset both.
         self.llm.reset_prefix_cache()
         self.llm.llm_engine.reset_encoder_cache()
+        self.llm.reset_mm_cache()  # (rollout.mm_cache_gb: it keeps one rollout's images, whose tool turns resend them)
         self.timings["time/weight_sync"] += time.perf_counter() - t0
 
     def generate(self, prompts: list[Prompt], n: int, params: SamplingParams, seed: int) -> list[Sample]:

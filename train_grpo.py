@@ -79,6 +79,7 @@ from runtime import (
     phase,
     print0,
     print_banner,
+    release_host_memory,
     report_stop,
     run_rank,
     setup_distributed,
@@ -191,6 +192,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm: ranks per engine (contiguous); the groups are data-parallel replicas
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
+    mm_cache_gb: float = 1.0  # vllm: GiB of processed images/videos it keeps per rank, host memory (its default: 4)
     sleep_level: int = -1  # vllm on CUDA: 1 = weights to host, 2 = discard, 0 = never; -1 = rollout.sleep_level_for
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
@@ -990,7 +992,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     # SHARED_STATS are already global shares on each rank: sum them over ranks (the balance loss only where it ran)
     shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
     metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
-    metrics.update(max_over_ranks({"response_length/max": float(max(lengths))}))
+    metrics.update(max_over_ranks({"response_length/max": float(max(lengths)), "host/rss_gb": release_host_memory()}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
     # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
     fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}

@@ -207,7 +207,7 @@ def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tm
     """Guards against the libraries' notes coming back into a run's log (a filter installed after vLLM is imported,
     the C++ NUMA line escaping the stderr filter, a progress bar): a 2-step vLLM run on one rank, everything it
     writes to stdout and stderr, must hold none of quiet.py's messages and nothing but the header, the data lines,
-    the first step's mismatch figures (the start guard) and one line per step (the demo's 30 steps make 45 lines
+    the first step's mismatch figures (the start guard) and one line per step (the demo's 30 steps make 46 lines
     so)."""
     from scripts.make_synthetic_data import make_geo3k_like
 

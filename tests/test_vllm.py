@@ -55,6 +55,12 @@ def test_synced_engine_logprobs_equal_the_trainers(tp1):
         assert rank["diff_video"] <= 0.05, rank["diff_video"]  # the image bound; measured 1.4e-6
 
 
+def test_the_engines_image_cache_is_capped(tp1):
+    """Guards against vLLM's default cache of processed images, up to 4 GiB of host memory per rank that epochs of
+    images or a tool run's crops fill: the engine gets rollout.mm_cache_gb, which the memory plan counts."""
+    assert [rank["mm_cache_gb"] for rank in tp1] == [1.0, 1.0]
+
+
 def test_engine_is_shut_down_before_the_process_group(tp1, tp2):
     """Guards against a finished run leaving vLLM's engine alive when the process group goes: its groups, NCCL
     communicators and allocator pools would be torn down by exit hooks and destructors after what they use (a run that

@@ -201,6 +201,8 @@ def main():
     first = []
     record_synced_names(engine, first)
     engine.sync_weights(model)
+    # the cap of its cache of processed images, rollout.mm_cache_gb, reached vLLM (its own default is 4 GiB a rank)
+    result["mm_cache_gb"] = engine.llm.llm_engine.vllm_config.model_config.multimodal_config.mm_processor_cache_gb
     # an MoE's experts go one expert at a time, in the per-expert names, never as a whole gathered parameter
     result["synced_per_expert"] = sum(bool(moe.PER_EXPERT.match(n)) for n in first)
     result["synced_fused_experts"] = sum(bool(moe.EXPERT_PARAM.match(n)) for n in first)
