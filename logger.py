@@ -20,6 +20,16 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def save_config(output_dir: str, config: dict, rank: int) -> None:
+    """The resolved config, first thing in a run's log and in <output_dir>/config.json (rank 0): the log alone, or the
+    directory alone, says how to rerun it."""
+    os.makedirs(output_dir, exist_ok=True)
+    if rank == 0:
+        with open(os.path.join(output_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        print(f"config: {json.dumps(config)}", flush=True)
+
+
 class MetricsLogger:
     """Rank 0 writes each step's metrics to <output_dir>/metrics.jsonl (always) and to the backends in
     trainer.logger: a console line (with a progress bar under it on a terminal), TensorBoard events in

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import math
 import os
 import re
@@ -56,7 +55,7 @@ import rollout
 import turns
 from batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
-from logger import LOGGERS, MetricsLogger
+from logger import LOGGERS, MetricsLogger, save_config
 from lora import adapters_disabled
 from memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
 from mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
@@ -1064,11 +1063,7 @@ def main(argv=None):
 
     rank, world, device = setup_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.verbose)
     torch.manual_seed(cfg.trainer.seed)
-    os.makedirs(cfg.trainer.output_dir, exist_ok=True)
-    if rank == 0:
-        with open(os.path.join(cfg.trainer.output_dir, "config.json"), "w") as f:
-            json.dump(config_to_dict(cfg), f, indent=2)
-    print0(f"config: {json.dumps(config_to_dict(cfg))}")
+    save_config(cfg.trainer.output_dir, config_to_dict(cfg), rank)
     print_banner(cfg, world, device)
     if plan:
         print0(format_plan(plan))
