@@ -175,11 +175,11 @@ def test_carried_tokens_are_corrected_against_their_recorded_logprobs(one_rank_g
     recorded = [-3.0, -3.0, -1.0, -1.0]  # two carried tokens from an older policy, two of this step's
     sample = rollout.Sample(0, [5, 6, 7, 8], recorded, "", False, carried=2)
     trainer = torch.tensor([[-1.0, -2.5, -1.0, -1.0]])  # (1, T): this step's policy
-    engine = torch.tensor([sample.logprobs])  # what update_policy stacks from the samples
-    stats = dict.fromkeys(mismatch.STATS, 0.0)
-    _, weights = mismatch.measure_and_correct(trainer, engine, torch.ones(1, 4), ["text"], cfg.algorithm, stats)
-    assert torch.allclose(weights, torch.tensor([[2.0, math.exp(0.5), 1.0, 1.0]]))  # truncated at 2 (TIS)
     prompt = SimpleNamespace(pixel_values=None, pixel_values_videos=None)
+    stats = dict.fromkeys(mismatch.STATS, 0.0)
+    _, weights = mismatch.measure_and_correct(trainer, torch.ones(1, 4), [prompt], [sample], [0], cfg.algorithm, stats)
+    assert torch.allclose(weights, torch.tensor([[2.0, math.exp(0.5), 1.0, 1.0]]))  # truncated at 2 (TIS)
+    assert stats["mismatch/text/tokens"] == 2  # the gap is measured on this step's two tokens only
     mismatch.check_start([trainer[0]], [sample], [prompt], bound=0.01, step=1)  # carried gap of 2 nats: no stop
     with pytest.raises(SystemExit):
         mismatch.check_start([trainer[0]], [rollout.Sample(0, [5, 6, 7, 8], recorded, "", False)], [prompt], 0.01, 1)
