@@ -295,3 +295,54 @@ def test_host_arena_takes_its_exact_size_and_reuses_it():
     block = arena.block.data_ptr()
     assert arena.views(tensors)[0].data_ptr() == block  # the same shapes: the same block
     assert arena.views(tensors[:1])[0].numel() == 15 and arena.block.numel() == offload.ALIGN
+
+
+class RuntimeStandIn:
+    """torch.cuda.cudart()'s two calls an arena makes, with the binding's signature (torch 2.11-2.14:
+    cudaHostRegister(ptr, size, flags) and cudaHostUnregister(ptr), each returning a cudaError, 0 for success), and
+    the driver's rule that a range is registered once and unregistered by the pointer it was registered at."""
+
+    def __init__(self):
+        self.registered, self.calls = {}, []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (the CUDA runtime's name)
+        self.calls.append(("register", ptr, size, flags))
+        overlaps = any(p < ptr + size and ptr < p + n for p, n in self.registered.items())
+        if overlaps or ptr % 4096:
+            return 712  # cudaErrorHostMemoryAlreadyRegistered (a misaligned range: also refused here)
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0 if self.registered.pop(ptr, None) is not None else 713  # cudaErrorHostMemoryNotRegistered
+
+
+def test_a_pinned_arena_registers_its_block_once_and_unregisters_it_before_it_goes(monkeypatch):
+    """Guards against the CUDA-only branch of HostArena: the block pinned at its exact size from a page boundary (the
+    driver locks whole pages), registered once while the same shapes come again, unregistered by the same pointer
+    before a new layout's block is pinned or when released (a block freed while registered, or registered twice,
+    is a CUDA error), and an empty arena not registered at all."""
+    cudart = RuntimeStandIn()
+
+    def check_error(res):
+        if res != 0:
+            raise RuntimeError(f"CUDA error {res}")
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    arena = offload.HostArena(pin=True)
+    tensors = [torch.randn(3, 5), torch.randn(40, dtype=torch.float64)]
+    arena.views(tensors)
+    arena.views(tensors)  # the same shapes: nothing registered again
+    first = arena.block.data_ptr()
+    total = offload.HostArena.bytes_for([60, 320])
+    assert cudart.calls == [("register", first, total, 0)] and first % offload.PAGE == 0
+    arena.views(tensors[:1])  # a new layout: the old block unregistered first
+    assert cudart.calls[1] == ("unregister", first) and cudart.calls[2][0] == "register"
+    arena.release()
+    assert cudart.registered == {} and arena.block is None
+    arena.views([torch.zeros(0)])  # nothing to pin
+    assert cudart.calls[-1][0] == "unregister" and arena.block.numel() == 0
+    arena.release()
+    assert cudart.registered == {}
