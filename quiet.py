@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import warnings
+from multiprocessing import resource_tracker
 
 # Logged through Python's logging: (logger, text in the message, why it is harmless here). A logger's filter sees
 # only the records logged to that very logger, not its children's, so each row names the module that logs.
@@ -109,16 +110,26 @@ def filtered_stderr(quiet: bool):
     if not quiet:
         yield
         return
+    # A process started inside the block inherits the pipe as its stderr and keeps it open for as long as it lives,
+    # so the pipe never ends: vLLM's first shared-memory segment starts multiprocessing's resource tracker, which
+    # lives as long as the rank. Started here, it keeps the real stderr (its notes at exit still reach the log).
+    # For any other such child the block ends at a marker written after the last line of its own, not at the
+    # pipe's end (waiting for that cost every engine start 10 s); the pump goes on passing the child's lines.
+    resource_tracker.ensure_running()
     sys.stderr.flush()
     saved, (read_end, write_end) = os.dup(2), os.pipe()
     os.dup2(write_end, 2)
-    os.close(write_end)
+    marker, drained = f"quiet.filtered_stderr {os.urandom(8).hex()} end\n".encode(), threading.Event()
 
     def pump():
         with os.fdopen(read_end, "rb") as lines:
             for line in lines:
+                if line.endswith(marker):  # (after a line a child left unfinished, if one did)
+                    line = line[: -len(marker)]
+                    drained.set()
                 while line and not any(text.encode() in line for text, _ in PRINTED):
                     line = line[os.write(saved, line) :]  # (a pipe may take part of a long line)
+        drained.set()
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
@@ -126,7 +137,9 @@ def filtered_stderr(quiet: bool):
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(saved, 2)  # closes the pipe's last write end here: the pump reads to its end and stops
-        thread.join(timeout=10)
-        if not thread.is_alive():  # (a child process started inside may still hold the pipe: leave it its way out)
+        os.dup2(saved, 2)
+        os.write(write_end, marker)  # after every line written inside the block: the pipe keeps their order
+        os.close(write_end)
+        drained.wait(timeout=10)
+        if not thread.is_alive():  # (a child started inside still writing: the pump needs `saved` while it lives)
             os.close(saved)

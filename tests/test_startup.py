@@ -203,6 +203,39 @@ def test_stderr_filter_drops_only_the_named_cpp_lines(capfd):
     assert capfd.readouterr().err == f"kept line\nafter\n{noise} shown\n"
 
 
+def test_stderr_filter_ends_with_its_block_while_a_child_started_inside_lives_on(capfd):
+    """Guards against the block waiting for the pipe's end, which a process started inside it holds for as long as
+    it lives (vLLM's start leaves multiprocessing's resource tracker so: every engine start waited 10 s), and against
+    losing that child's lines or the block's last ones. The child here outlives the block by far."""
+    import time
+
+    with quiet.filtered_stderr(True):
+        child = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1.5); "
+                                  "os.write(2, b'child line\\n'); time.sleep(60)"])  # fmt: skip
+        os.write(2, b"last line of the block\n")
+        t0 = time.perf_counter()
+    left = time.perf_counter() - t0
+    try:
+        assert left < 1.0, f"the block waited {left:.1f} s for a pipe its child holds"
+        assert capfd.readouterr().err == "last line of the block\n"  # (no marker)
+        time.sleep(3)  # the child's line, written after the block, still reaches stderr
+        assert capfd.readouterr().err == "child line\n"
+    finally:
+        child.kill()
+        child.wait()
+    # the tracker that vLLM's shared memory starts inside the block was started before it, with the real stderr
+    # (in a fresh interpreter: this one's tracker may be older than the test)
+    script = ("import os, quiet; from multiprocessing import resource_tracker, shared_memory\n"
+              "with quiet.filtered_stderr(True):\n"
+              "    shm = shared_memory.SharedMemory(create=True, size=64); shm.close(); shm.unlink()\n"
+              "tracker = resource_tracker._resource_tracker._pid\n"
+              "print(os.readlink(f'/proc/{tracker}/fd/2'), os.readlink('/proc/self/fd/2'))")  # fmt: skip
+    with open(os.devnull, "w") as devnull:
+        out = subprocess.run([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=devnull,
+                             text=True, check=True).stdout.split()  # fmt: skip
+    assert out == ["/dev/null", "/dev/null"], out
+
+
 def test_a_runs_whole_log_is_the_header_and_one_line_per_step(tiny_model_dir, tmp_path):
     """Guards against the libraries' notes coming back into a run's log (a filter installed after vLLM is imported,
     the C++ NUMA line escaping the stderr filter, a progress bar): a 2-step vLLM run on one rank, everything it
