@@ -339,6 +339,10 @@ class VLLMEngine:
         self.sleep_level = sleep_level_for(r.sleep_level, cfg.actor.lora_rank) if on_cuda else 0
         if r.sleep_level > 0 and not on_cuda and rank == 0 and not quiet:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
+        if not on_cuda:
+            # Eager on CPU, as enforce_eager below asks of the model: vLLM still compiles its log-prob gather with
+            # inductor at the first sample, 2.3 s of every CPU run's start for a count it computes alike without
+            torch.compiler.set_stance("force_eager")
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
         self.cpu_moe = family.moe and not on_cuda
