@@ -203,23 +203,31 @@ def test_stderr_filter_drops_only_the_named_cpp_lines(capfd):
     assert capfd.readouterr().err == f"kept line\nafter\n{noise} shown\n"
 
 
-def test_stderr_filter_ends_with_its_block_while_a_child_started_inside_lives_on(capfd):
+def test_stderr_filter_ends_with_its_block_while_a_child_started_inside_lives_on(capfd, tmp_path):
     """Guards against the block waiting for the pipe's end, which a process started inside it holds for as long as
     it lives (vLLM's start leaves multiprocessing's resource tracker so: every engine start waited 10 s), and against
-    losing that child's lines or the block's last ones. The child here outlives the block by far."""
+    losing that child's lines or the block's last ones. The child writes only once the block is over."""
     import time
 
+    go = tmp_path / "go"
     with quiet.filtered_stderr(True):
-        child = subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(1.5); "
-                                  "os.write(2, b'child line\\n'); time.sleep(60)"])  # fmt: skip
+        child = subprocess.Popen([sys.executable, "-c", "import os, sys, time\n"
+                                  "while not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+                                  "os.write(2, b'child line\\n'); time.sleep(60)", str(go)])  # fmt: skip
         os.write(2, b"last line of the block\n")
         t0 = time.perf_counter()
     left = time.perf_counter() - t0
     try:
         assert left < 1.0, f"the block waited {left:.1f} s for a pipe its child holds"
         assert capfd.readouterr().err == "last line of the block\n"  # (no marker)
-        time.sleep(3)  # the child's line, written after the block, still reaches stderr
-        assert capfd.readouterr().err == "child line\n"
+        go.touch()  # the child's line, written after the block, still reaches stderr
+        err = ""
+        for _ in range(200):
+            err += capfd.readouterr().err
+            if err:
+                break
+            time.sleep(0.05)
+        assert err == "child line\n"
     finally:
         child.kill()
         child.wait()
