@@ -130,6 +130,7 @@ def filtered_stderr(quiet: bool):
                 while line and not any(text.encode() in line for text, _ in PRINTED):
                     line = line[os.write(saved, line) :]  # (a pipe may take part of a long line)
         drained.set()
+        os.close(saved)  # at the pipe's end: when the block ends, or later if a child started inside still holds it
 
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
@@ -141,5 +142,3 @@ def filtered_stderr(quiet: bool):
         os.write(write_end, marker)  # after every line written inside the block: the pipe keeps their order
         os.close(write_end)
         drained.wait(timeout=10)
-        if not thread.is_alive():  # (a child started inside still writing: the pump needs `saved` while it lives)
-            os.close(saved)
