@@ -101,6 +101,7 @@ def report_failure(excepthook, timeout_s):
             excepthook(kind, error, trace)
         last = f" ({kind.__name__}: {text.splitlines()[0][:200]})" if why and text else ""
         print(f"rank {os.environ.get('RANK', '?')}: failed in phase '{_phase}'{why}{last}", file=sys.stderr, flush=True)
+        mark_failed()
 
     return report
 
@@ -199,6 +200,7 @@ def report_stop(message: str, every_rank: bool = True):
     (a key in the group's store); before one forms, for a few seconds (torchrun ends them once rank 0 has exited)."""
     if not every_rank:
         print(f"rank {rank()}: {message}", file=sys.stderr, flush=True)
+        mark_failed()
     elif rank() == 0:
         print(message, file=sys.stderr, flush=True)
         if dist.is_initialized():
@@ -208,6 +210,28 @@ def report_stop(message: str, every_rank: bool = True):
             dist.distributed_c10d._get_default_store().wait(["stop_reported"], datetime.timedelta(seconds=60))
     else:
         time.sleep(PRE_GROUP_WAIT_S)
+
+
+# The store key a rank that ends the run alone (a fault, a Stop of its own) sets on its way out, for the ranks it
+# leaves behind: they can never finish their step (StopSignal).
+FAILED_KEY = "rank_failed"
+
+
+def mark_failed():
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # (the store went with the rank that held it: nothing to tell)
+            store = dist.distributed_c10d._get_default_store()
+            if not store.check([FAILED_KEY]):  # the first rank to end is the cause; the others followed it
+                store.set(FAILED_KEY, str(rank()))
+
+
+def failed_rank() -> str | None:
+    """The rank that ended the run alone, if one did and the group's store still answers."""
+    with contextlib.suppress(Exception):
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([FAILED_KEY]):
+            return store.get(FAILED_KEY).decode()
+    return None
 
 
 def run_rank(main):
@@ -426,7 +450,11 @@ def resolve_path(path: str) -> str:
 class StopSignal:
     """SIGTERM (Slurm preemption, scancel) and SIGINT (Ctrl-C) only set a flag: the loop finishes its step, saves and
     exits with 128 + the signal number (143, 130), which shells, Slurm and torchrun report as killed by that signal.
-    A repeated signal changes nothing: torchrun forwards the one the terminal or Slurm already sent to every rank."""
+    A repeated signal changes nothing: torchrun forwards the one the terminal or Slurm already sent to every rank.
+
+    Unless another rank has ended the run (failed_rank): then no step can finish, and the signal is the launcher
+    ending the ranks left behind (torchrun sends it when one rank exits). Waiting for the step would only wait for
+    the SIGKILL that follows 30 s later, which also skips the exit's teardown; the rank stops where it is instead."""
 
     def __init__(self):
         self.signum = 0
@@ -434,6 +462,10 @@ class StopSignal:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        failed = failed_rank()
+        if failed is not None and failed != str(rank()):
+            name = signal.Signals(signum).name
+            raise Stop(f"stopped by {name} in phase '{_phase}': rank {failed} ended the run", 128 + signum, False)
         self.signum = signum  # no print here: a handler that interrupts a print would raise a reentrant-call error
 
     def agreed(self):
