@@ -453,7 +453,7 @@ class VLLMEngine:
         if self.asleep and self.offload is not None:
             self.offload.offload(self.timings)
         self._wake(["weights", "kv_cache"])
-        vllm_compat.shut_down(self.llm)
+        vllm_compat.shut_down(self.llm, collect=torch.cuda.is_available())
 
     @torch.no_grad()
     def sync_weights(self, model):

@@ -6,6 +6,7 @@ importable package), not from its version string, so a patched or back-ported bu
 """
 
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import math
@@ -36,15 +37,28 @@ def skip_engine_teardown(llm) -> None:
         finalizer.detach()
 
 
-def shut_down(llm) -> None:
+def shut_down(llm, collect: bool = True) -> None:
     """Tear the in-process engine down as vLLM tears down its own engine processes, the same in 0.26 and 0.33:
     EngineCore.shutdown() shuts the worker down (its model and KV cache dropped, its CuMemAllocator pools released,
     so the allocator's exit hook finds nothing left), then the scheduler, then cleanup_dist_env_and_memory: vLLM's
     groups and their communicators (destroy_model_parallel), its world group, and last
     torch.distributed.destroy_process_group() of the default group, the one external_launcher shares with the
     trainer. It is called on the EngineCore itself: the 0.32/0.33 client's shutdown() runs it only while the finalizer
-    that skip_engine_teardown detached is still attached."""
-    llm.llm_engine.engine_core.engine_core.shutdown()
+    that skip_engine_teardown detached is still attached.
+
+    collect=False (a CPU run, which ends right after): the shutdown's two full garbage collections (its model
+    runner's KV-cache cleanup, and cleanup_dist_env_and_memory's after it unfreezes the heap; 0.26 to 0.33) are
+    skipped. They only give memory back to a process about to exit, and each walks the whole heap: 1.3 s at the end
+    of every CPU run. On CUDA they run: the device memory they free is what the allocator's exit hook must find gone."""
+    if collect:
+        llm.llm_engine.engine_core.engine_core.shutdown()
+        return
+    collect_garbage = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        llm.llm_engine.engine_core.engine_core.shutdown()
+    finally:
+        gc.collect = collect_garbage
 
 
 def forget_cpu_moe_kernels(model) -> int:

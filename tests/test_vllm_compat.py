@@ -82,15 +82,21 @@ def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
         assert __import__("os").environ.get("VLLM_USE_FLASHINFER_SAMPLER") == want, (installed, on_cuda, user)
 
 
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
 @pytest.mark.parametrize("client", ["0.26", "0.33"])
 @pytest.mark.parametrize("engine_kind", ["vllm asleep", "vllm awake", "hf"])
-def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engine_kind):
+def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engine_kind, cuda):
     """Guards against the end of a run leaving vLLM's engine to exit hooks: its groups, NCCL communicators and
     CuMemAllocator pools were torn down after destroy_process_group (an abort of a run that succeeded), and a
     sleeping engine's memory freed unmapped (a CUDA error per allocation). runtime.shut_down with stand-ins of vLLM's
     in-process clients (0.26: shutdown() calls EngineCore.shutdown(); 0.33: only while its finalizer is attached,
     and skip_engine_teardown detached it at start) and of EngineCore.shutdown (worker, then vLLM's groups, then
-    destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both)."""
+    destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both). Also against the CPU
+    run's skipped garbage collections reaching a CUDA run, whose freed device memory the allocator must see, or
+    gc.collect staying replaced after the shutdown."""
+    import gc
+
+    import torch
     import torch.distributed as dist
 
     import rollout
@@ -105,10 +111,13 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
         events.append("process group destroyed")
 
     class EngineCore:
-        def shutdown(self):
-            events.extend(["worker shut down", "vllm groups destroyed"])
+        def shutdown(self):  # each step ends with a full collection, as vLLM's model runner and cleanup do
+            events.append("worker shut down")
+            gc.collect()
+            events.append("vllm groups destroyed")
             if dist.is_initialized():
                 dist.destroy_process_group()
+            gc.collect()
 
     class InprocClient026:
         def __init__(self):
@@ -145,11 +154,25 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
         engine.llm, engine.offload, engine.timings = LLM(), offload, dict.fromkeys(["time/wake"], 0.0)
         engine.asleep = {"weights", "kv_cache"} if engine_kind == "vllm asleep" else set()
         vllm_compat.skip_engine_teardown(engine.llm)  # as the engine does at start
-    runtime.shut_down(engine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    collections = []
+
+    def count(phase, info):
+        collections.extend(["collection"] if phase == "start" else [])
+
+    gc.callbacks.append(count)
+    gc.disable()  # only the shutdown's own collections count
+    try:
+        runtime.shut_down(engine)
+    finally:
+        gc.enable()
+        gc.callbacks.remove(count)
     vllm_end = ["worker shut down", "vllm groups destroyed", "process group destroyed"]
     want = {"hf": ["barrier", "process group destroyed"], "vllm awake": ["barrier", *vllm_end],
             "vllm asleep": ["barrier", "trainer state to host", "woke ['kv_cache', 'weights']", *vllm_end]}  # fmt: skip
     assert events == want[engine_kind]
+    assert len(collections) == (2 if cuda and engine_kind != "hf" else 0)
+    assert gc.collect.__module__ == "gc" and gc.collect() >= 0  # the real one again
 
 
 def v2_runner_033(env) -> bool:
