@@ -81,6 +81,15 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 # from 55% to 1%; at 10 the norm stays saturated and the same step moves it from 49% to 44%).
 TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 10.0, 10.0
 
+# A repetition loop (build_tiny_model's `loop_logit`), the long tail of RL answers that repeat themselves until
+# max_tokens: LOOP_TOKENS, eight ordinary tokens, carry LOOP_FEATURE in hidden dimension 1 (every other token 0
+# there), which saturates the final norm as TOOL_CALL_FEATURE does; only their LM-head rows and the end of answer's
+# read it. After a loop token the next one is a loop token again with probability 8 e^loop_logit / (8 e^loop_logit +
+# the ~400 others), and the end of answer is LOOP_EOS less likely: at loop_logit 10.5 a loop runs ~180 tokens on
+# average. Outside it the loop tokens' logits are LOOP_ENTRY lower (along the mean final state, as eos_logit raises
+# the end's), so only a few answers in a hundred fall into one.
+LOOP_TOKENS, LOOP_FEATURE, LOOP_EOS, LOOP_ENTRY = range(300, 308), 10.0, 8.0, 3.5
+
 # Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
 # message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
 # each image/video replaced by its vision block, and `<|im_start|>assistant\n` as the generation prompt.
@@ -446,6 +455,7 @@ def build_tiny_model(
     family: str = "qwen2_5_vl",
     tools: bool = False,
     eos_logit: float = 0.0,
+    loop_logit: float = 0.0,
 ) -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
@@ -453,7 +463,9 @@ def build_tiny_model(
     special tokens are appended (and with `tools` the two tool-call tokens). `eos_logit` > 0 raises the
     end-of-answer token's logit by about that much: a random model then ends its answers at varied lengths (the
     final hidden states share a mean direction; their projection on it varies by +-40 % from position to position)
-    rather than always at max_tokens. Returns out_dir.
+    rather than always at max_tokens. `loop_logit` > 0 adds a repetition loop (LOOP_TOKENS): with eos_logit, most
+    answers end within a few dozen tokens and a few percent run on for hundreds, some to max_tokens, a heavy tail.
+    Returns out_dir.
     """
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
@@ -472,16 +484,28 @@ def build_tiny_model(
             feature = _final_feature(model, tokenizer)
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature
-    if eos_logit:
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if loop_logit:
+        with torch.no_grad():
+            loop = list(LOOP_TOKENS)
+            model.model.language_model.embed_tokens.weight[:, 1] = 0.0
+            model.model.language_model.embed_tokens.weight[loop, 1] = LOOP_FEATURE
+            ids = torch.randint(0, vocab_size, (8, 64), generator=torch.Generator().manual_seed(seed))
+            ids[:, -1] = loop[0]
+            feature = model.model.language_model(input_ids=ids).last_hidden_state[:, -1, 1].mean().item()
+            model.lm_head.weight[:, 1] = 0.0
+            model.lm_head.weight[loop, 1] = loop_logit / feature
+            model.lm_head.weight[eos, 1] = -LOOP_EOS / feature
+    if eos_logit or loop_logit:
         with torch.no_grad():
             ids = torch.randint(0, vocab_size, (8, 64), generator=torch.Generator().manual_seed(seed))
             hidden = model.model.language_model(input_ids=ids).last_hidden_state.reshape(
                 -1, config.text_config.hidden_size
             )
             mean = hidden.mean(0)
-            model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] += (
-                eos_logit * mean / mean.square().sum()
-            )
+            model.lm_head.weight[eos] += eos_logit * mean / mean.square().sum()
+            if loop_logit:
+                model.lm_head.weight[list(LOOP_TOKENS)] -= LOOP_ENTRY * mean / mean.square().sum()
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)

@@ -71,3 +71,32 @@ def test_chat_template_renders_like_qwen(tiny_processor):
         "<|im_start|>user\nLook at <|vision_start|><|image_pad|><|vision_end|> and find x.<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_repetition_loop_holds_an_answer_once_entered(tmp_path, tiny_model_dir, tiny_processor):
+    """Guards bench/bench_partial.py's loop workload, whose long tail is answers caught in the repetition loop: after
+    a loop token the next is a loop token again and the end of answer all but impossible (a feature read from the
+    wrong dimension, or with the wrong sign, gives the plain model's odds), while a model built without loop_logit
+    (every other test's) keeps the plain odds."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from scripts.make_tiny_model import LOOP_TOKENS, build_tiny_model
+
+    tok = tiny_processor.tokenizer
+    loop, eos = list(LOOP_TOKENS), tok.convert_tokens_to_ids("<|im_end|>")
+    prompt = tok("<|im_start|>user\nFind x.<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    g = torch.Generator().manual_seed(0)
+    answers = torch.randint(0, 256, (8, 24), generator=g)  # byte tokens, none of them a loop token
+    answers[:, -5:] = torch.tensor(loop)[torch.randint(0, len(loop), (8, 5), generator=g)]
+    ids = torch.cat([torch.tensor([prompt] * 8), answers], 1)
+
+    def odds(path):
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+        with torch.no_grad():
+            probs = model(input_ids=ids).logits[:, -5:].softmax(-1)  # the next token after each loop token
+        return probs[..., loop].sum(-1), probs[..., eos]
+
+    in_loop, end = odds(build_tiny_model(str(tmp_path), seed=0, eos_logit=10.0, loop_logit=10.5))
+    assert in_loop.min() > 0.98 and end.max() < 1e-4, (in_loop, end)
+    plain, _ = odds(tiny_model_dir)
+    assert plain.max() < 0.1, plain
