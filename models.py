@@ -481,7 +481,13 @@ class Family:
 # hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs a name
 # mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every layer: the
 # same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision tokens.
-_QWEN3_5 = dict(linear_attention=True, vllm_cpu_kwargs={"enable_prefix_caching": False}, vllm_cpu_dtype=torch.bfloat16)
+# (Qwen3.5's CPU engine shares no prefix, and vLLM sizes a hybrid model's blocks to its linear-attention state's:
+# it keeps vLLM's own block size, not rollout.py's 32)
+_QWEN3_5 = dict(
+    linear_attention=True,
+    vllm_cpu_kwargs={"enable_prefix_caching": False, "block_size": None},
+    vllm_cpu_dtype=torch.bfloat16,
+)
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
     "qwen3_vl": Family(tower_and_layers, 32),

@@ -183,3 +183,17 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
         for key in ("model.embed_tokens.weight", "model.layers.1.input_layernorm.weight"):
             assert torch.equal(final[key], initial[key]), key
         assert sorted(os.listdir(out_dir / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_the_answers_of_a_prompt_share_its_prefill(tp1):
+    """Guards against every answer prefilling its whole prompt again: prefix caching shares whole KV blocks only, and
+    with vLLM's CPU default of 128-token blocks, longer than most prompts, the n answers of a prompt (and a partial
+    rollout's continued answers) shared nothing. Each answer after the first of a prompt finds all the prompt's whole
+    32-token blocks but the last token's in the cache (vLLM computes at least one token of a prompt)."""
+    for rank in tp1:
+        hits = rank["image_prefix_hits"]  # (prompt tokens, found in the cache) per request, in the order they start
+        assert len(hits) == 16, hits  # 4 prompts x 4 answers, one request each
+        for first in range(0, 16, 4):
+            prompt_len = hits[first][0]
+            assert prompt_len > 32 and all(n == prompt_len for n, _ in hits[first : first + 4]), hits
+            assert all(hit == (prompt_len - 1) // 32 * 32 for _, hit in hits[first + 1 : first + 4]), hits

@@ -118,6 +118,21 @@ def record_synced_names(engine, names):
     engine.llm.collective_rpc = recording
 
 
+def record_prefix_hits(engine, started):
+    """Wrap the engine's scheduler to append, for each request it starts, (prompt tokens, tokens of them found in the
+    prefix cache); returns the function that unwraps it."""
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+
+    def recording(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        started.extend((len(r.prompt_token_ids), r.num_computed_tokens) for r in out.scheduled_new_reqs)
+        return out
+
+    scheduler.schedule = recording
+    return lambda: delattr(scheduler, "schedule")
+
+
 def record_applied(engine, names):
     """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
     apply = engine.llm.apply_model
@@ -215,7 +230,11 @@ def main():
         result["resynced"], result["resync_applied"] = list(synced), list(applied)  # (the wrappers stay on)
     seed = 1000 + rank  # what the loop passes: a different stream per rank
     text_samples = engine.generate(text, 4, params, seed=seed)
+    started = []
+    unwrap = record_prefix_hits(engine, started)
     image_samples = engine.generate(image, 4, params, seed=seed)
+    unwrap()
+    result["image_prefix_hits"] = started  # the 4 answers of a prompt share its prefill (whole KV blocks)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
