@@ -4,7 +4,7 @@ A step's generation is bounded by its longest answer: with lengths that vary wid
 decode steps finishing the last few answers at a batch of a handful. With rollout.partial=true (APRIL,
 https://arxiv.org/abs/2509.18521; AReaL's and verl's fully-async trainers bound the staleness the same way):
  1. the engine gets the step's prompts plus a reserve (rollout.partial_reserve x the step's prompts in flight), and
-    every answer is its own request;
+    the answers of a group that have not started go as one request of that many answers, the others one each;
  2. generation stops as soon as this rank has its quota of complete groups (all rollout.n answers of a prompt
     finished); the unfinished answers are stopped and kept here with their tokens and the engine's log-probs;
  3. at the next step they are resubmitted under the new weights as prompt (images, videos) + their tokens so far,

@@ -586,25 +586,36 @@ class VLLMEngine:
         )
 
     def generate_until(self, requests: list[Continuation], quota: int, params: SamplingParams, seed: int) -> list:
-        """Partial rollouts (partial.py): one request per answer, continued from its prefix with the same images and
-        videos and max_tokens less what it has; generation stops as soon as `quota` of this rank's groups have all
-        their requests finished and every pinned request has, and the others are stopped where they are (vLLM's
-        offline generate would run them all to the end, so the engine is stepped here). Returns per request (new
-        token ids, their log-probs, finished, truncated). A TP group's members submit every member's requests and
-        stop when each member has its quota: a decision each takes alike from the same outputs."""
+        """Partial rollouts (partial.py): each answer continued from its prefix with the same images and videos and
+        max_tokens less what it has; generation stops as soon as `quota` of this rank's groups have all their answers
+        finished and every pinned answer has, and the others are stopped where they are (vLLM's offline generate would
+        run them all to the end, so the engine is stepped here). A group's answers that have not started go as one
+        request of that many answers, rendered once (its images processed once, not once per answer); vLLM seeds the
+        i-th answer of a request seed + i, so each draws the stream it would draw as a request of its own. Returns per
+        answer (new token ids, their log-probs, finished, truncated). A TP group's members submit every member's
+        requests and stop when each member has its quota: a decision each takes alike from the same outputs."""
         self._prepare([c.prompt for c in requests])
         mine = [(engine_prompt_ids(c.prompt, self.image_token_id) + list(c.prefix), c.prompt.images,
-                 [engine_video(v) for v in c.prompt.videos], params.max_tokens - len(c.prefix), c.group, c.pinned)
-                for c in requests]  # fmt: skip
+                 [engine_video(v) for v in c.prompt.videos], params.max_tokens - len(c.prefix), c.group, c.pinned,
+                 bool(c.prefix)) for c in requests]  # fmt: skip
         members = self._gather((mine, quota, seed))
-        prompts, sampling, owner = [], [], []
+        prompts, sampling, owner, first = [], [], [], []  # owner per answer; first answer of each request
         for m, (member_requests, _, member_seed) in enumerate(members):
-            for i, (ids, images, videos, max_tokens, group, pinned) in enumerate(member_requests):
+            i = 0
+            while i < len(member_requests):
+                ids, images, videos, max_tokens, group, pinned, started = member_requests[i]
+                n = 1  # (the answers of a group come one after another)
+                while not started and member_requests[i + n : i + n + 1] and member_requests[i + n][4:] == (
+                    group, pinned, False
+                ):  # fmt: skip
+                    n += 1
+                first.append(len(owner))
                 prompts.append(self._request(ids, images, videos))
-                sampling.append(self._sampling(params, 1, max_tokens, request_seed(member_seed, i, 1)))
-                owner.append((m, group, pinned))
-        unfinished = collections.Counter((m, g) for m, g, _ in owner)  # open requests per (member, group)
-        complete = [0] * len(members)  # groups of each member whose requests all finished
+                sampling.append(self._sampling(params, n, max_tokens, request_seed(member_seed, i, 1)))
+                owner += [(m, group, pinned)] * n
+                i += n
+        unfinished = collections.Counter((m, g) for m, g, _ in owner)  # open answers per (member, group)
+        complete = [0] * len(members)  # groups of each member whose answers all finished
         pinned = sum(p for *_, p in owner)
 
         def quota_met():
@@ -615,29 +626,31 @@ class VLLMEngine:
         start = sum(len(r) for r, _, _ in members[:member])
         if owner and not quota_met():
             internal = self.llm.enqueue(prompts, sampling, use_tqdm=False)
-            index = {rid: k for k, rid in enumerate(vllm_compat.external_ids(self.llm, internal))}
+            index = {rid: u for u, rid in enumerate(vllm_compat.external_ids(self.llm, internal))}
             engine = self.llm.llm_engine
 
             def record(out):
-                k, completion = index[out.request_id], out.outputs[0]
-                if start <= k < start + len(requests):
-                    self._check_prompt(out, requests[k - start])
-                tokens[k] = list(completion.token_ids)
-                logprobs[k] = [completion.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])]
-                return k, completion
+                """Each answer's tokens so far and the reason it finished (None: it has not)."""
+                u = index[out.request_id]
+                for completion in out.outputs:
+                    k = first[u] + completion.index
+                    if start <= k < start + len(requests):
+                        self._check_prompt(out, requests[k - start])
+                    tokens[k] = list(completion.token_ids)
+                    logprobs[k] = [completion.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])]
+                    finish[k] = completion.finish_reason
+                return u
 
+            done = set()  # requests that finished, all their answers
             while not quota_met() and engine.has_unfinished_requests():
                 for out in engine.step():  # (only finished requests report: final-only)
-                    k, completion = record(out)
-                    finish[k] = completion.finish_reason
-                    m, group, was_pinned = owner[k]
-                    unfinished[m, group] -= 1
+                    done.add(u := record(out))
+                    m, group, was_pinned = owner[first[u]]
+                    unfinished[m, group] -= len(out.outputs)
                     complete[m] += unfinished[m, group] == 0
-                    pinned -= was_pinned
-            for out in vllm_compat.stop_requests(
-                self.llm, [internal[k] for k in range(len(owner)) if finish[k] is None]
-            ):
-                record(out)
+                    pinned -= was_pinned * len(out.outputs)
+            for out in vllm_compat.stop_requests(self.llm, [rid for u, rid in enumerate(internal) if u not in done]):
+                record(out)  # (a request of several answers: those that finished keep their reason)
         return [(tokens[k], logprobs[k], finish[k] is not None, finish[k] == "length")
                 for k in range(start, start + len(requests))]  # fmt: skip
 

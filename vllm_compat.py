@@ -165,28 +165,49 @@ def clip_metadata_per_request(model_path: str) -> bool:
 def external_ids(llm, request_ids) -> list[str]:
     """The ids that outputs and `abort_request` name the requests `LLM.enqueue` returned: enqueue returns the
     engine's internal ids (the caller's id plus a random suffix), outputs carry the caller's (`external_req_id` of the
-    output processor's request state), in 0.26, 0.32 and 0.33 alike."""
-    states = llm.llm_engine.output_processor.request_states
-    return [states[request_id].external_req_id for request_id in request_ids]
+    output processor's request state, or of its ParentRequest for a request of n > 1 answers, whose states are its
+    children's), in 0.26, 0.32 and 0.33 alike."""
+    processor = llm.llm_engine.output_processor
+    states, parents = processor.request_states, processor.parent_requests
+    return [(states[r] if r in states else parents[r]).external_req_id for r in request_ids]
 
 
 def stop_requests(llm, request_ids) -> list:
     """Stop the unfinished requests among `request_ids` (internal ids, as enqueue returned them) and return what each
-    has sampled so far: a RequestOutput with all its tokens and their log-probs. `LLM.enqueue` marks requests
-    final-only (LLM._add_request, 0.26 to 0.33), so `llm_engine.step()` reports a request only when it finishes, and
-    `abort_request` keeps its tokens to itself (the abort's own output goes only to an async client's queue). So each
-    one's output is made from the output processor's request state first, switched to cumulative
+    has sampled so far: a RequestOutput with its answers' tokens and their log-probs, one completion per answer
+    (`index`: which of the request's n). `LLM.enqueue` marks requests final-only (LLM._add_request, 0.26 to 0.33),
+    so `llm_engine.step()` reports a request only when it finishes, all its answers, and `abort_request` keeps
+    their tokens to itself (the abort's own output goes only to an async client's queue). So each answer's output is
+    made from the output processor's request state first, switched to cumulative
     (`make_request_output(new_token_ids, pooling_output, finish_reason, stop_reason)`, the same four leading
-    parameters in 0.26, 0.32 and 0.33), then the requests are aborted. Reading them only at the stop keeps the
-    engine's steps as cheap as offline generate's: a per-step stream of every running request's tokens cost the tiny
-    CPU model more than its decode steps."""
+    parameters in 0.26, 0.32 and 0.33), then the requests are aborted. A request of n > 1 answers is a ParentRequest
+    (`output_processor.parent_requests`, by its internal id) whose answers are child requests of their own states
+    (`parent_req` set: detached here, or their output would wait for the others); the answers that did finish wait
+    in its `output_aggregator` (final-only), with their finish reason; aborting the parent aborts the children
+    (`abort_requests`), all alike in 0.26, 0.32 and 0.33. Reading them only at the stop keeps the engine's steps as
+    cheap as offline generate's: a per-step stream of every running request's tokens cost the tiny CPU model more than
+    its decode steps."""
     from vllm.sampling_params import RequestOutputKind
 
-    states = llm.llm_engine.output_processor.request_states
-    outputs, open_ids = [], [r for r in request_ids if r in states]
-    for request_id in open_ids:
-        states[request_id].output_kind = RequestOutputKind.CUMULATIVE
-        outputs.append(states[request_id].make_request_output([], None, None, None))
+    def so_far(state):
+        state.output_kind, state.parent_req = RequestOutputKind.CUMULATIVE, None
+        return state.make_request_output([], None, None, None)
+
+    processor = llm.llm_engine.output_processor
+    states, parents = processor.request_states, processor.parent_requests
+    outputs, open_ids = [], []
+    for request_id in request_ids:
+        if request_id in states:
+            outputs.append(so_far(states[request_id]))
+        elif request_id in parents:
+            parent = parents[request_id]
+            children = [so_far(states[child]) for child in sorted(parent.child_requests)]
+            out = children[0]  # (each child's output names the parent's external id and prompt)
+            out.outputs = [c for c in parent.output_aggregator if c is not None] + [c.outputs[0] for c in children]
+            outputs.append(out)
+        else:
+            continue
+        open_ids.append(request_id)
     if open_ids:
         llm.llm_engine.abort_request(open_ids, internal=True)
     return outputs

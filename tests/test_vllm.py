@@ -197,3 +197,16 @@ def test_the_answers_of_a_prompt_share_its_prefill(tp1):
             prompt_len = hits[first][0]
             assert prompt_len > 32 and all(n == prompt_len for n, _ in hits[first : first + 4]), hits
             assert all(hit == (prompt_len - 1) // 32 * 32 for _, hit in hits[first + 1 : first + 4]), hits
+
+
+def test_a_request_of_several_answers_stops_as_its_answers_would_alone(tp1):
+    """Guards the stop of a partial rollout's group sent as one request of n answers (rollout.generate_until): its
+    finished answers wait in vLLM's ParentRequest and the others in child states that wait for the rest, so read
+    wrongly an answer would lose its tokens, or one that finished would be continued past its end. Stopped after the
+    same steps, each answer has the tokens, log-probs and finish reason it has as a request of its own."""
+    for rank in tp1:
+        assert rank["stopped_grouped"] == rank["stopped_alone"]
+        reasons = [reason for _, _, reason in rank["stopped_grouped"]]
+        assert None in reasons and "stop" in reasons, reasons  # both kinds of answer were stopped
+        assert all(len(ids) > 1 for ids, _, _ in rank["stopped_grouped"])
+        assert not rank["left_running"]  # every stopped answer was aborted

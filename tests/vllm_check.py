@@ -133,6 +133,30 @@ def record_prefix_hits(engine, started):
     return lambda: delattr(scheduler, "schedule")
 
 
+def check_grouped_stop(engine, prompt, result):
+    """The same 4 answers as one request of n = 4 and as 4 requests of their own (seeds s .. s + 3: vLLM seeds the
+    i-th of n s + i), stepped alike and stopped after a few tokens, some finished by a stop token and some not:
+    vllm_compat.stop_requests must give each answer the same tokens, log-probs and finish reason either way."""
+    import vllm_compat
+
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16, stop_token_ids=tuple(range(0, 256, 5)))
+    request = engine._request(rollout.engine_prompt_ids(prompt, engine.image_token_id), prompt.images, [])
+    for name, n in (("grouped", 4), ("alone", 1)):
+        engine.llm.reset_prefix_cache()  # both compute the prompt alike
+        sampling = [engine._sampling(params, n, 16, 777 + i) for i in range(4 // n)]
+        internal = engine.llm.enqueue([request] * (4 // n), sampling, use_tqdm=False)
+        answer = {rid: i for i, rid in enumerate(vllm_compat.external_ids(engine.llm, internal))}
+        outputs = [out for _ in range(6) for out in engine.llm.llm_engine.step()]  # the prompt and 5 tokens
+        answers = [None] * 4
+        for out in outputs + vllm_compat.stop_requests(engine.llm, internal):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                answers[answer[out.request_id] + c.index] = [ids, [c.logprobs[t][tok].logprob for t, tok in
+                                                                    enumerate(ids)], c.finish_reason]  # fmt: skip
+        result[f"stopped_{name}"] = answers
+    result["left_running"] = engine.llm.llm_engine.has_unfinished_requests()
+
+
 def record_applied(engine, names):
     """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
     apply = engine.llm.apply_model
@@ -235,6 +259,8 @@ def main():
     image_samples = engine.generate(image, 4, params, seed=seed)
     unwrap()
     result["image_prefix_hits"] = started  # the 4 answers of a prompt share its prefill (whole KV blocks)
+    if engine.tp_group is None:  # (a TP group's members would have to submit the same requests)
+        check_grouped_stop(engine, image[0], result)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
