@@ -84,9 +84,9 @@ TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 10.0, 10.0
 # A repetition loop (build_tiny_model's `loop_logit`), the long tail of RL answers that repeat themselves until
 # max_tokens: LOOP_TOKENS, eight ordinary tokens, carry LOOP_FEATURE in hidden dimension 1 (every other token 0
 # there), which saturates the final norm as TOOL_CALL_FEATURE does; only their LM-head rows and the end of answer's
-# read it. After a loop token the next one is a loop token again with probability 8 e^loop_logit / (8 e^loop_logit +
-# the ~400 others), and the end of answer is LOOP_EOS less likely: at loop_logit 10.5 a loop runs ~180 tokens on
-# average. Outside it the loop tokens' logits are LOOP_ENTRY lower (along the mean final state, as eos_logit raises
+# read it. After a loop token the next one is a loop token again with probability over 0.99 at loop_logit 10.5
+# (tests/test_tiny_model.py), and the end of answer is LOOP_EOS less likely, so a loop runs on for a hundred tokens
+# or more. Outside it the loop tokens' logits are LOOP_ENTRY lower (along the mean final state, as eos_logit raises
 # the end's), so only a few answers in a hundred fall into one.
 LOOP_TOKENS, LOOP_FEATURE, LOOP_EOS, LOOP_ENTRY = range(300, 308), 10.0, 8.0, 3.5
 
