@@ -641,15 +641,14 @@ class VLLMEngine:
                     finish[k] = completion.finish_reason
                 return u
 
-            done = set()  # requests that finished, all their answers
             while not quota_met() and engine.has_unfinished_requests():
                 for out in engine.step():  # (only finished requests report: final-only)
-                    done.add(u := record(out))
+                    u = record(out)
                     m, group, was_pinned = owner[first[u]]
                     unfinished[m, group] -= len(out.outputs)
                     complete[m] += unfinished[m, group] == 0
                     pinned -= was_pinned * len(out.outputs)
-            for out in vllm_compat.stop_requests(self.llm, [rid for u, rid in enumerate(internal) if u not in done]):
+            for out in vllm_compat.stop_requests(self.llm, internal):  # (it skips those that finished)
                 record(out)  # (a request of several answers: those that finished keep their reason)
         return [(tokens[k], logprobs[k], finish[k] is not None, finish[k] == "length")
                 for k in range(start, start + len(requests))]  # fmt: skip
