@@ -285,6 +285,11 @@ def engine_video(clip) -> tuple:
     return np.stack([np.asarray(f) for f in clip.frames]), {**dict(clip.metadata()), "do_sample_frames": False}
 
 
+def sampled_logprobs(completion) -> list[float]:
+    """A vLLM completion's log-prob of each token it sampled (requested with logprobs=0: the sampled token's only)."""
+    return [completion.logprobs[t][tok].logprob for t, tok in enumerate(completion.token_ids)]
+
+
 def request_seed(member_seed: int, prompt: int, n: int) -> int:
     """Per-request seed: a prompt's n samples draw from seed .. seed + n - 1 (vLLM gives the i-th of n seed + i),
     so every (step, rank, prompt, sample) has its own stream and a resumed run samples what an uninterrupted one
@@ -533,7 +538,7 @@ class VLLMEngine:
                 samples.append(Sample(
                     prompt_index=index,
                     response_ids=ids,
-                    logprobs=[completion.logprobs[t][tok].logprob for t, tok in enumerate(ids)],
+                    logprobs=sampled_logprobs(completion),
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     truncated=completion.finish_reason == "length",
                 ))  # fmt: skip
@@ -637,7 +642,7 @@ class VLLMEngine:
                     if start <= k < start + len(requests):
                         self._check_prompt(out, requests[k - start])
                     tokens[k] = list(completion.token_ids)
-                    logprobs[k] = [completion.logprobs[t][tok].logprob for t, tok in enumerate(tokens[k])]
+                    logprobs[k] = sampled_logprobs(completion)
                     finish[k] = completion.finish_reason
                 return u
 

@@ -150,9 +150,8 @@ def check_grouped_stop(engine, prompt, result):
         answers = [None] * 4
         for out in outputs + vllm_compat.stop_requests(engine.llm, internal):
             for c in out.outputs:
-                ids = list(c.token_ids)
-                answers[answer[out.request_id] + c.index] = [ids, [c.logprobs[t][tok].logprob for t, tok in
-                                                                    enumerate(ids)], c.finish_reason]  # fmt: skip
+                answers[answer[out.request_id] + c.index] = [list(c.token_ids), rollout.sampled_logprobs(c),
+                                                             c.finish_reason]  # fmt: skip
         result[f"stopped_{name}"] = answers
     result["left_running"] = engine.llm.llm_engine.has_unfinished_requests()
 
