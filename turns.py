@@ -57,6 +57,20 @@ class ToolTurn:
     image_grid_thw: torch.Tensor | None = None  # (images, 3)
 
 
+def turn_state(turn: ToolTurn) -> dict:
+    """A tool turn as numbers, lists and tensors (what torch.load(weights_only=True) reads back): the images as
+    their RGB pixels."""
+    import numpy as np
+
+    return {**vars(turn), "images": [torch.from_numpy(np.array(img.convert("RGB"))) for img in turn.images]}
+
+
+def turn_from_state(state: dict) -> ToolTurn:
+    from PIL import Image
+
+    return ToolTurn(**{**state, "images": [Image.fromarray(pixels.numpy()) for pixels in state["images"]]})
+
+
 def encode_turn(processor, result: tools.ToolResult, start: int, bounds: tuple[int, int]) -> ToolTurn:
     """The tool turn of a result. Its images are fitted to the data's pixel budget (data.fit_image), so the
     processor and vLLM turn each into the same number of tokens, as they do the prompt's."""
@@ -120,6 +134,44 @@ def turn_seed(seed: int, turn: int) -> int:
     return (seed + turn * 0x9E3779B97F4A7C15) % 2**63
 
 
+def take_tool_turns(engine, processor, pool, prompts, called, budget, bounds, stats) -> list:
+    """Steps 2-3 of the loop for the samples that stopped at a call (each with its prompt): parse and run the calls,
+    append each result's tool turn (log-prob 0) to its answer, or end the answer where it called when the turn does
+    not fit the token budget. Adds to `stats`; returns [(sample, tokens it has left)] for the answers that go on."""
+    tokenizer = processor.tokenizer
+    only = next(iter(pool.fns)) if len(pool.fns) == 1 else None  # an empty call calls the only tool
+    calls, results = [], {}
+    for s, prompt in zip(called, prompts, strict=True):
+        call, why = tools.parse_call(model_text(tokenizer, s, keep_special=True), only)
+        if call is None:
+            results[id(s)] = tools.ToolResult(f"error: {why}", fault="malformed")
+        else:
+            calls.append((s, call, [*prompt.images, *(img for t in s.turns for img in t.images)]))
+    ran = pool.run([c for _, c, _ in calls], [seen for *_, seen in calls])  # every image of the conversation so far
+    results.update({id(s): r for (s, _, _), r in zip(calls, ran)})
+    limit = getattr(engine, "max_images", None)  # vLLM's per-request images (rollout.max_images_per_prompt)
+    for s, _, seen in calls:
+        if limit is not None and len(seen) + len(results[id(s)].images) > limit:  # refused by vLLM otherwise
+            results[id(s)] = tools.ToolResult(f"error: the conversation may hold at most {limit} images", fault="error")
+    going = []
+    for s in called:
+        result = results[id(s)]
+        stats["tool/calls"] += 1
+        stats["tool/call_share"] += not s.turns
+        if result.fault:
+            stats[f"tool/{result.fault}"] += 1
+        tool_turn = encode_turn(processor, result, len(s.response_ids), bounds)
+        left = budget - len(s.response_ids) - len(tool_turn.input_ids)
+        if left < 1:  # the result does not fit: the answer ends at its call, never inside the turn's images
+            s.truncated = True
+            continue
+        s.response_ids = s.response_ids + tool_turn.input_ids.tolist()
+        s.logprobs = s.logprobs + [0.0] * len(tool_turn.input_ids)
+        s.turns = [*s.turns, tool_turn]
+        going.append((s, left))
+    return going
+
+
 def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_turns, budget, bounds):
     """The loop of the module docstring. Returns (samples, stats): prompt-major samples as engine.generate's, and
     this call's counts: tool/calls, tool/call_share (answers that call one), tool/<kind> of each tools.FAULTS."""
@@ -129,48 +181,17 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
     # The last turn an answer may take does not stop at a call: no result could come back, so the model writes on
     # (stopping or not leaves the distribution it samples from, and so the log-probs, as they are).
     last = replace(params, max_tokens=min(params.max_tokens, budget))
-    calling = replace(last, stop_token_ids=(*params.stop_token_ids, stop))
-    only = next(iter(pool.fns)) if len(pool.fns) == 1 else None  # an empty call calls the only tool
-    samples = engine.generate(prompts, n, calling if max_turns > 1 else last, seed)
+    to_call = replace(last, stop_token_ids=(*params.stop_token_ids, stop))
+    samples = engine.generate(prompts, n, to_call if max_turns > 1 else last, seed)
     stats = dict.fromkeys(("tool/calls", "tool/call_share", *FAULT_KEYS), 0.0)
     for turn in range(1, max_turns):
-        calling = [s for s in samples if s.response_ids and s.response_ids[-1] == stop and not s.truncated]
-        calls, results = [], {}
-        for s in calling:
-            call, why = tools.parse_call(model_text(tokenizer, s, keep_special=True), only)
-            if call is None:
-                results[id(s)] = tools.ToolResult(f"error: {why}", fault="malformed")
-            else:
-                calls.append((s, call))
-        seen = [[*prompts[s.prompt_index].images, *(img for t in s.turns for img in t.images)] for s, _ in calls]
-        ran = pool.run([c for _, c in calls], seen)  # every image of the conversation so far
-        results.update({id(s): r for (s, _), r in zip(calls, ran)})
-        limit = getattr(engine, "max_images", None)  # vLLM's per-request images (rollout.max_images_per_prompt)
-        for (s, _), images in zip(calls, seen):
-            if limit is not None and len(images) + len(results[id(s)].images) > limit:  # refused by vLLM otherwise
-                results[id(s)] = tools.ToolResult(
-                    f"error: the conversation may hold at most {limit} images", fault="error"
-                )
-        going = []
-        for s in calling:
-            result = results[id(s)]
-            stats["tool/calls"] += 1
-            stats["tool/call_share"] += not s.turns
-            if result.fault:
-                stats[f"tool/{result.fault}"] += 1
-            tool_turn = encode_turn(processor, result, len(s.response_ids), bounds)
-            left = budget - len(s.response_ids) - len(tool_turn.input_ids)
-            if left < 1:  # the result does not fit: the answer ends at its call, never inside the turn's images
-                s.truncated = True
-                continue
-            s.response_ids = s.response_ids + tool_turn.input_ids.tolist()
-            s.logprobs = s.logprobs + [0.0] * len(tool_turn.input_ids)
-            s.turns = [*s.turns, tool_turn]
-            going.append((s, left))
+        called = [s for s in samples if s.response_ids and s.response_ids[-1] == stop and not s.truncated]
+        going = take_tool_turns(engine, processor, pool, [prompts[s.prompt_index] for s in called], called, budget,
+                                bounds, stats)  # fmt: skip
         if busiest_rank(len(going)) == 0:
             break
         mine = [continuation(prompts[s.prompt_index], s, left, image_token_id) for s, left in going]
-        params = calling if turn + 1 < max_turns else last
+        params = to_call if turn + 1 < max_turns else last
         for (s, _), more in zip(going, engine.generate(mine, 1, params, turn_seed(seed, turn)), strict=True):
             s.response_ids = s.response_ids + more.response_ids
             s.logprobs = s.logprobs + more.logprobs

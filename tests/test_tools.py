@@ -217,3 +217,40 @@ def test_tool_images_over_the_engines_limit_become_an_error(tiny_tools_model_dir
                                                    max_turns=2, budget=200, bounds=(56 * 56, 112 * 112))  # fmt: skip
     assert stats["tool/error"] == 2 and all(not s.turns[0].images for s in samples)
     assert "at most 1 images" in tok.decode(samples[0].turns[0].input_ids)
+
+
+def test_every_turn_but_the_last_stops_at_a_call(tiny_tools_model_dir):
+    """Guards against the turn loop past two turns: with max_turns=3 the second turn must stop at a call again (the
+    sampling parameters that do, not anything else of that name) and the third must not; an answer that calls
+    twice holds two tool turns, each at the position where its call ended, and only the model's tokens carry
+    log-probs."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
+    tok = processor.tokenizer
+    stop = tok.convert_tokens_to_ids(tools.TOOL_CALL_END)
+    call = tok('<tool_call>{"name": "calculate", "arguments": {"expression": "6*7"}}</tool_call>')["input_ids"]
+
+    class CallingEngine:
+        def __init__(self):
+            self.stops = []
+
+        def generate(self, prompts, n, params, seed):
+            self.stops.append(params.stop_token_ids)
+            ids = list(call) if stop in params.stop_token_ids else [5, 6]
+            return [rollout.Sample(i // n, list(ids), [-1.0] * len(ids), "", False) for i in range(len(prompts) * n)]
+
+    engine = CallingEngine()
+    params = rollout.SamplingParams(1.0, 1.0, 400)
+    with tools.ToolPool(["tools.py:calculate"], timeout=2.0) as pool:
+        samples, stats = turns.generate_with_tools(engine, processor, pool, image_prompts(processor, 1), 2, params, 1,
+                                                   max_turns=3, budget=400, bounds=(56 * 56, 112 * 112))  # fmt: skip
+    assert [stop in stops for stops in engine.stops] == [True, True, False]
+    assert stats["tool/calls"] == 4 and stats["tool/call_share"] == 2
+    for s in samples:
+        first, second = s.turns
+        assert first.start == len(call) and second.start == first.start + len(first.input_ids) + len(call)
+        assert s.response_ids[second.start + len(second.input_ids) :] == [5, 6] and s.text == tok.decode([5, 6])
+        model = [i for i in range(len(s.response_ids)) if not any(t.start <= i < t.start + len(t.input_ids)
+                                                                   for t in s.turns)]  # fmt: skip
+        assert all(s.logprobs[i] == -1.0 for i in model) and sum(s.logprobs) == -len(model)
