@@ -16,7 +16,11 @@ https://arxiv.org/abs/2509.18521; AReaL's and verl's fully-async trainers bound 
     answers), so no trained token is older than that; an answer found older anyway (a resume with a lower bound)
     starts over, counted;
  6. `Sample.carried` marks the leading tokens sampled at earlier steps: their `logprobs` are those of the policy that
-    sampled them, which the trainer's corrections take as the behaviour policy (config_problem says which).
+    sampled them, which the trainer's corrections take as the behaviour policy (config_problem says which);
+ 7. with tools (turns.ToolEngine) an answer pauses at a tool call: its group is not complete, its tool turn is
+    taken in the same step (quota met or not: a carried answer never waits inside a turn), and while the rank is
+    short of groups the answers go on in another engine call of the step; one with turns continues from its
+    conversation so far (turns.continuation), and the checkpoint keeps its turns.
 The quota is per rank, as the prompts are (each rank stops on its own; a TP group stops when each member has its
 quota, a decision every member takes alike from the same outputs). The carried answers are part of the checkpoint
 (rank files: `state_dict`), prompts by their row in the train set, so a resumed run continues exactly.
@@ -24,12 +28,15 @@ quota, a decision every member takes alike from the same outputs). The carried a
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 import rollout
+import tools
+import turns
 from runtime import max_over_ranks, mean_over_ranks
 
 
@@ -40,6 +47,7 @@ class Answer:
     born: int = -1  # step that sampled its first token (-1: not started)
     done: bool = False
     truncated: bool = False
+    turns: list = field(default_factory=list)  # turns.ToolTurn inside `ids`, with tools: context, log-prob 0
 
 
 @dataclass
@@ -62,8 +70,6 @@ def config_problem(cfg) -> str | None:
     if r.engine != "vllm":
         return (f"rollout.partial=true needs rollout.engine=vllm: the {r.engine} engine generates a batch to its end "
                 "and cannot stop when the step has its groups")  # fmt: skip
-    if r.tools:
-        return "rollout.partial=true with rollout.tools: continuing an answer stopped inside a tool turn is not built"
     if r.partial_reserve < 0 or r.max_staleness < 1:
         return f"rollout.partial_reserve={r.partial_reserve} must be >= 0 and max_staleness={r.max_staleness} >= 1"
     if not (alg.rollout_bypass or alg.rollout_is != "none" or alg.tis_cap > 0):
@@ -87,11 +93,16 @@ class Carry:
         self.groups: list[Group] = []
 
     def state_dict(self) -> dict:
-        """Plain numbers and lists, which torch.load(weights_only=True) reads back."""
-        return {"groups": [{"index": g.index, "answers": [vars(a).copy() for a in g.answers]} for g in self.groups]}
+        """Plain numbers, lists and tensors, which torch.load(weights_only=True) reads back."""
+        return {"groups": [{"index": g.index, "answers": [
+            {**vars(a), "turns": [turns.turn_state(t) for t in a.turns]} for a in g.answers
+        ]} for g in self.groups]}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        self.groups = [Group(g["index"], [Answer(**a) for a in g["answers"]]) for g in state["groups"]]
+        def answer(a):
+            return Answer(**{**a, "turns": [turns.turn_from_state(t) for t in a.get("turns", [])]})
+
+        self.groups = [Group(g["index"], [answer(a) for a in g["answers"]]) for g in state["groups"]]
 
 
 def with_carry(engine, cfg):
@@ -128,29 +139,75 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     open_ = [(gi, a) for gi, g in enumerate(carry.groups) for a in g.answers if not a.done]
     # a group whose oldest token is at the bound finishes now: stopping it again would make that token too old
     pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
-    requests = [rollout.Continuation(carry.groups[gi].prompt, a.ids, gi, pinned[gi]) for gi, a in open_]
-    stats["rollout/partial_continued"] = float(sum(bool(c.prefix) for c in requests))  # resumed mid-answer
+    stats["rollout/partial_continued"] = float(sum(bool(a.ids) for _, a in open_))  # resumed mid-answer
     had = {id(a): len(a.ids) for g in carry.groups for a in g.answers}  # tokens sampled before this step
-    quota = need - sum(g.done for g in carry.groups)
-    results = engine.generate_until(requests, quota, params, seed) if requests else []
-    for (_, a), (ids, logprobs, finished, truncated) in zip(open_, results, strict=True):
-        if ids and a.born < 0:
-            a.born = step
-        a.ids, a.logprobs = a.ids + ids, a.logprobs + logprobs
-        a.done, a.truncated = finished, truncated
-        stats["rollout/partial_generated"] += len(ids)
+    tooled = getattr(engine, "pool", None) is not None  # turns.ToolEngine: an answer may pause at a tool call
+    if tooled:
+        stats.update(dict.fromkeys(("tool/calls", "tool/call_share", *turns.FAULT_KEYS), 0.0))
+    # Without tools one engine call. With them, an answer that calls a tool pauses there; its tool turn is taken
+    # (whether or not the quota is met: a carried answer waits after its turn, not inside it) and, while this rank
+    # is short of its groups, it goes on in the next call of the same step. Every rank makes as many calls (a TP
+    # group's members submit together).
+    for round_ in itertools.count():
+        quota = need - sum(g.done for g in carry.groups)
+        requests = [_request(engine, carry.groups[gi], a, gi, pinned[gi]) for gi, a in open_]
+        results = engine.generate_until(requests, quota, params, turns.turn_seed(seed, round_))
+        for (_, a), (ids, logprobs, finished, truncated) in zip(open_, results, strict=True):
+            if ids and a.born < 0:
+                a.born = step
+            a.ids, a.logprobs = a.ids + ids, a.logprobs + logprobs
+            a.done, a.truncated = finished, truncated
+            stats["rollout/partial_generated"] += len(ids)
+        if not tooled:
+            break
+        going = _take_tool_turns(engine, processor, carry, open_, stats)
+        open_ = [(gi, a) for gi, a in open_ if not a.done]
+        short = need > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
+        if turns.busiest_rank(int(short and going > 0)) == 0:
+            break
     ready = [g for g in carry.groups if g.done][:need]  # oldest first: the list keeps the order they were drawn
     carry.groups = [g for g in carry.groups if not any(g is r for r in ready)]
     samples = []
     for gi, g in enumerate(ready):
         for a in g.answers:
-            samples.append(rollout.Sample(
-                gi, a.ids, a.logprobs, processor.tokenizer.decode(a.ids, skip_special_tokens=True), a.truncated,
-                carried=had[id(a)], staleness=step - a.born if a.born >= 0 else 0,
-            ))  # fmt: skip
+            samples.append(rollout.Sample(gi, a.ids, a.logprobs, "", a.truncated, turns=a.turns, carried=had[id(a)],
+                                          staleness=step - a.born if a.born >= 0 else 0))  # fmt: skip
+            samples[-1].text = turns.model_text(processor.tokenizer, samples[-1])  # the last model turn's
     stats["rollout/partial_in_flight"] = float(sum(not a.done for g in carry.groups for a in g.answers))
     engine.stats = stats
     return [g.example for g in ready], [g.prompt for g in ready], samples, epoch, position
+
+
+def _call_stop(processor) -> int:
+    return processor.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
+
+
+def _request(engine, group: Group, a: Answer, gi: int, pinned: bool) -> rollout.Continuation:
+    """An open answer as the engine continues it: from its tokens; with tool turns, from its conversation so far
+    (turns.continuation: the turns' images with the prompt's). It pauses at a tool call while it may take a turn."""
+    if getattr(engine, "pool", None) is None:
+        return rollout.Continuation(group.prompt, a.ids, gi, pinned)
+    pause = (_call_stop(engine.processor),) if len(a.turns) + 1 < engine.max_turns else ()
+    if not a.turns:
+        return rollout.Continuation(group.prompt, a.ids, gi, pinned, pause)
+    so_far = rollout.Sample(gi, a.ids, a.logprobs, "", False, turns=a.turns)
+    image_token_id = engine.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    prompt = turns.continuation(group.prompt, so_far, engine.budget - len(a.ids), image_token_id)
+    return rollout.Continuation(prompt, [], gi, pinned, pause)
+
+
+def _take_tool_turns(engine, processor, carry: Carry, open_, stats) -> int:
+    """The tool turns of the open answers that paused at a call (turns.take_tool_turns); an answer whose turn does
+    not fit its budget ends where it called. Returns how many go on."""
+    stop = _call_stop(processor)
+    called = [(gi, a) for gi, a in open_ if not a.done and a.ids[-1:] == [stop] and len(a.turns) + 1 < engine.max_turns]
+    views = [rollout.Sample(gi, a.ids, a.logprobs, "", False, turns=a.turns) for gi, a in called]
+    prompts = [carry.groups[gi].prompt for gi, _ in called]
+    going = turns.take_tool_turns(engine, processor, engine.pool, prompts, views, engine.budget, engine.bounds, stats)
+    for (_, a), s in zip(called, views, strict=True):
+        a.ids, a.logprobs, a.turns = s.response_ids, s.logprobs, s.turns
+        a.done = a.truncated = s.truncated
+    return len(going)
 
 
 def step_metrics(filter_stats: dict, samples) -> dict:

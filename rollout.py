@@ -94,12 +94,15 @@ class Sample:
 @dataclass
 class Continuation:
     """An answer to sample or to continue (partial.py): its prompt, the tokens it has (sampled at earlier steps), its
-    group among the requests, and whether the step must wait for it to finish (the staleness bound)."""
+    group among the requests, whether the step must wait for it to finish (the staleness bound), and the tokens at
+    which it pauses rather than ends (a tool call, turns.py). A prompt with its own max_tokens is the answer's
+    conversation so far, tool turns in it (turns.continuation): that answer has begun, and is a request of its own."""
 
     prompt: Prompt
     prefix: list[int]
     group: int
     pinned: bool = False
+    pause_ids: tuple = ()
 
 
 def encode_prompt(processor, example) -> Prompt:
@@ -597,36 +600,40 @@ class VLLMEngine:
         run them all to the end, so the engine is stepped here). A group's answers that have not started go as one
         request of that many answers, rendered once (its images processed once, not once per answer); vLLM seeds the
         i-th answer of a request seed + i, so each draws the stream it would draw as a request of its own. Returns per
-        answer (new token ids, their log-probs, finished, truncated). A TP group's members submit every member's
+        answer (new token ids, their log-probs, finished, truncated); an answer that stopped at one of its pause_ids
+        (a tool call) has not finished, and its group is not complete. A TP group's members submit every member's
         requests and stop when each member has its quota: a decision each takes alike from the same outputs."""
         self._prepare([c.prompt for c in requests])
         mine = [(engine_prompt_ids(c.prompt, self.image_token_id) + list(c.prefix), c.prompt.images,
-                 [engine_video(v) for v in c.prompt.videos], params.max_tokens - len(c.prefix), c.group, c.pinned,
-                 bool(c.prefix)) for c in requests]  # fmt: skip
+                 [engine_video(v) for v in c.prompt.videos],
+                 min(params.max_tokens, c.prompt.max_tokens or params.max_tokens) - len(c.prefix), c.group, c.pinned,
+                 bool(c.prefix) or c.prompt.max_tokens is not None, tuple(c.pause_ids)) for c in requests]  # fmt: skip
         members = self._gather((mine, quota, seed))
         prompts, sampling, owner, first = [], [], [], []  # owner per answer; first answer of each request
         for m, (member_requests, _, member_seed) in enumerate(members):
             i = 0
             while i < len(member_requests):
-                ids, images, videos, max_tokens, group, pinned, started = member_requests[i]
+                ids, images, videos, max_tokens, group, pinned, started, pause_ids = member_requests[i]
                 n = 1  # (the answers of a group come one after another)
                 while not started and member_requests[i + n : i + n + 1] and member_requests[i + n][4:] == (
-                    group, pinned, False
+                    group, pinned, False, pause_ids
                 ):  # fmt: skip
                     n += 1
                 first.append(len(owner))
                 prompts.append(self._request(ids, images, videos))
-                sampling.append(self._sampling(params, n, max_tokens, request_seed(member_seed, i, 1)))
-                owner += [(m, group, pinned)] * n
+                stops = replace(params, stop_token_ids=(*params.stop_token_ids, *pause_ids))
+                sampling.append(self._sampling(stops, n, max_tokens, request_seed(member_seed, i, 1)))
+                owner += [(m, group, pinned, pause_ids)] * n
                 i += n
-        unfinished = collections.Counter((m, g) for m, g, _ in owner)  # open answers per (member, group)
+        unfinished = collections.Counter((m, g) for m, g, _, _ in owner)  # open answers per (member, group)
         complete = [0] * len(members)  # groups of each member whose answers all finished
-        pinned = sum(p for *_, p in owner)
+        pinned = sum(p for _, _, p, _ in owner)
 
         def quota_met():
             return pinned == 0 and all(c >= q for c, (_, q, _) in zip(complete, members))
 
         tokens, logprobs, finish = [[] for _ in owner], [[] for _ in owner], [None] * len(owner)
+        paused = [False] * len(owner)  # finished at one of its pause_ids: not the answer's end
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         start = sum(len(r) for r, _, _ in members[:member])
         if owner and not quota_met():
@@ -644,18 +651,20 @@ class VLLMEngine:
                     tokens[k] = list(completion.token_ids)
                     logprobs[k] = sampled_logprobs(completion)
                     finish[k] = completion.finish_reason
+                    paused[k] = finish[k] == "stop" and tokens[k][-1:] != [] and tokens[k][-1] in owner[k][3]
                 return u
 
             while not quota_met() and engine.has_unfinished_requests():
                 for out in engine.step():  # (only finished requests report: final-only)
                     u = record(out)
-                    m, group, was_pinned = owner[first[u]]
-                    unfinished[m, group] -= len(out.outputs)
-                    complete[m] += unfinished[m, group] == 0
-                    pinned -= was_pinned * len(out.outputs)
+                    m, group, was_pinned, _ = owner[first[u]]
+                    ended = sum(not paused[first[u] + c.index] for c in out.outputs)
+                    unfinished[m, group] -= ended
+                    complete[m] += ended > 0 and unfinished[m, group] == 0
+                    pinned -= was_pinned * ended
             for out in vllm_compat.stop_requests(self.llm, internal):  # (it skips those that finished)
                 record(out)  # (a request of several answers: those that finished keep their reason)
-        return [(tokens[k], logprobs[k], finish[k] is not None, finish[k] == "length")
+        return [(tokens[k], logprobs[k], finish[k] is not None and not paused[k], finish[k] == "length")
                 for k in range(start, start + len(requests))]  # fmt: skip
 
     def _check_prompt(self, out, request):

@@ -11,6 +11,8 @@ import torch
 import mismatch
 import partial
 import rollout
+import tools
+import turns
 from data import ShardSampler
 from train_grpo import ConfigError, check_config, load_config
 
@@ -64,10 +66,10 @@ def setup(monkeypatch, rows=24, **overrides):
 
     monkeypatch.setattr(rollout, "encode_prompt", encode)
 
-    def continuation(prompt, prefix, group, pinned=False):
+    def continuation(prompt, prefix, group, pinned=False, pause_ids=()):
         group_answers = engine.carry.groups[group].answers
         answer_of[id(prefix)] = next(j for j, a in enumerate(group_answers) if a.ids is prefix)
-        return CONTINUATION(prompt, prefix, group, pinned)
+        return CONTINUATION(prompt, prefix, group, pinned, pause_ids)
 
     monkeypatch.setattr(rollout, "Continuation", continuation)
     processor = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""))
@@ -151,13 +153,12 @@ def test_answers_in_flight_survive_a_checkpoint(monkeypatch):
     [
         (["rollout.engine=hf"], "needs rollout.engine=vllm"),
         (["algorithm.rollout_is=none"], "algorithm.rollout_is=token"),
-        (["rollout.tools=[tests/tool_fixtures.py:sleepy]"], "rollout.tools"),
         (["rollout.max_staleness=0"], "max_staleness=0"),
     ],
 )
 def test_partial_refuses_what_it_cannot_train_soundly(overrides, message):
-    """Guards against partial rollouts where they cannot stop early (the HF engine), cannot continue an answer
-    (inside a tool turn), or would train stale tokens as on-policy (no correction against the recorded log-probs)."""
+    """Guards against partial rollouts where they cannot stop early (the HF engine) or would train stale tokens as
+    on-policy (no correction against the recorded log-probs)."""
     sizes = ["data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=2"]
     base = [*sizes, "rollout.partial=true", "rollout.engine=vllm"]
     for sound in ("algorithm.rollout_is=token", "algorithm.rollout_bypass=true", "algorithm.tis_cap=2"):
@@ -183,3 +184,140 @@ def test_carried_tokens_are_corrected_against_their_recorded_logprobs(one_rank_g
     mismatch.check_start([trainer[0]], [sample], [prompt], bound=0.01, step=1)  # carried gap of 2 nats: no stop
     with pytest.raises(SystemExit):
         mismatch.check_start([trainer[0]], [rollout.Sample(0, [5, 6, 7, 8], recorded, "", False)], [prompt], 0.01, 1)
+
+
+class ToolScript:
+    """An engine with tools (the turns.ToolEngine attributes partial uses, a real processor and tool pool) whose
+    answer j of row r is written one token a step: calls[j] (calculate's 6*7, longer as j grows), which pauses it
+    where its request pauses at </tool_call>; after the tool turn that partial takes, words(r, j). Each request is
+    checked to hold exactly the answer's tokens so far (a continued answer is not re-sampled, and its tool turn is
+    the one taken)."""
+
+    BOUNDS = (56 * 56, 112 * 112)
+
+    def __init__(self, processor, pool, calls, turn):
+        self.processor, self.pool, self.calls, self.turn = processor, pool, calls, turn
+        self.max_turns, self.budget, self.bounds, self.max_images = 2, 400, self.BOUNDS, None
+        self.step, self.requests = 0, []
+
+    @staticmethod
+    def words(row, answer):
+        n = 80 + row % 20 if answer == 2 and row % 3 == 0 else 1 + (row + answer) % 3
+        return [100 + t for t in range(n)]
+
+    def so_far(self, r):
+        """The answer's tokens so far, as the request carries them: its prefix, or its conversation after the prompt."""
+        return list(r.prefix) if r.prompt.max_tokens is None else r.prompt.input_ids[PROMPT_LEN:].tolist()
+
+    def generate_until(self, requests, quota, params, seed):
+        self.requests.append(requests)
+        new, state = [[] for _ in requests], [None] * len(requests)  # state: "paused" or "done" once there
+        groups = {r.group for r in requests}
+
+        def ended(k):
+            return state[k] == "done"
+
+        def met():
+            complete = sum(all(ended(k) for k, r in enumerate(requests) if r.group == g) for g in groups)
+            return complete >= quota and all(ended(k) for k, r in enumerate(requests) if r.pinned)
+
+        while not met() and any(s is None for s in state):
+            for k, r in enumerate(requests):
+                if state[k] is not None:
+                    continue
+                have, call = self.so_far(r) + new[k], self.calls[r.tag[1]]
+                if len(have) < len(call):
+                    assert have == call[: len(have)]
+                    new[k].append(call[len(have)])
+                    state[k] = "paused" if new[k][-1] in r.pause_ids else None
+                    continue
+                turn = r.prompt.input_ids[PROMPT_LEN + len(call) : PROMPT_LEN + len(call) + len(self.turn)]
+                assert r.prompt.max_tokens is not None and turn.tolist() == self.turn and not r.pause_ids  # after it
+                words, said = self.words(*r.tag), have[len(call) + len(self.turn) :]
+                assert said == words[: len(said)]
+                new[k].append(words[len(said)])
+                state[k] = "done" if len(said) + 1 == len(words) else None
+        return [(ids, [-float(self.step)] * len(ids), state[k] == "done", False) for k, ids in enumerate(new)]
+
+
+PROMPT_LEN = 12
+
+
+def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tools_model_dir, monkeypatch):
+    """Guards against partial rollouts with tools that lose or redo a tool turn: an answer stopped inside its call
+    continues the call from its tokens; one that paused at its call gets its tool turn (log-prob 0, context) in the
+    step it called, and one stopped after that turn continues from its conversation (prompt, call, turn) without
+    calling again; the trained answers are whole, the reward's text is the last model turn's, and a checkpoint
+    taken with such answers in flight resumes exactly."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
+    tok = processor.tokenizer
+    calls = [tok('<tool_call>{"name": "calculate", "arguments": {"expression": "6%s*7"}}</tool_call>' % (" " * 8 * j))[
+        "input_ids"] for j in range(N)]  # fmt: skip
+    stop = calls[0][-1]
+    turn = turns.encode_turn(processor, tools.ToolResult("42"), 0, ToolScript.BOUNDS).input_ids.tolist()
+    monkeypatch.setattr(rollout, "encode_prompt", lambda processor, example: rollout.Prompt(
+        torch.arange(10, 10 + PROMPT_LEN), None, None, []))  # fmt: skip
+    tag = partial._request
+
+    def tagged(engine, group, a, gi, pinned):
+        r = tag(engine, group, a, gi, pinned)
+        r.tag = (group.index, next(j for j, x in enumerate(group.answers) if x is a))
+        return r
+
+    monkeypatch.setattr(partial, "_request", tagged)
+    cfg = load_config(None, ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token",
+                             f"rollout.n={N}", "rollout.tools=[tools.py:calculate]", "rollout.max_turns=2",
+                             "rollout.partial_reserve=2.0"])  # fmt: skip
+
+    def run(steps, state=None, position=0):
+        """Steps `steps` of a fresh engine (from `state`, a carry's checkpoint, and the data position it was saved
+        at); per step its trained samples and the data position after it."""
+        with tools.ToolPool(["tools.py:calculate"], timeout=5.0) as pool:
+            engine = ToolScript(processor, pool, calls, turn)
+            engine.carry = partial.Carry(cfg)
+            sampler = ShardSampler(24, 0, 1, shuffle=False)
+            if state is not None:
+                engine.carry.load_state_dict(state)
+            out = []
+            for s in steps:
+                engine.step = s
+                examples, _, samples, _, position = partial.draw_and_generate(
+                    engine, sampler, list(range(24)), processor, 0, position, 2, N, None, 0, s)  # fmt: skip
+                out.append((s, examples, samples, engine.stats, position))
+                # an answer that paused at its call has had its tool turn, even when the quota was met then
+                assert not any(a.ids[-1:] == [stop] and not a.done for g in engine.carry.groups for a in g.answers)
+            return engine, out
+
+    engine, went = run(range(1, 6))
+    assert sum(stats["tool/calls"] for *_, stats, _ in went) > 0
+    for s, examples, samples, _, _ in went:
+        assert len(examples) == 2
+        for i, smp in enumerate(samples):
+            words, call = ToolScript.words(examples[smp.prompt_index], i % N), calls[i % N]
+            assert smp.response_ids == call + turn + words and [t.start for t in smp.turns] == [len(call)]
+            assert smp.turns[0].input_ids.tolist() == turn and smp.text == tok.decode(words)
+            assert smp.logprobs[len(call) : len(call) + len(turn)] == [0.0] * len(turn)
+            model = [p for p in range(len(smp.response_ids)) if not len(call) <= p < len(call) + len(turn)]
+            sampled_at = [-smp.logprobs[p] for p in model]  # the step that sampled each of the model's tokens
+            assert sampled_at == sorted(sampled_at)
+            assert all((t < s) == (p < smp.carried) and t <= s for p, t in zip(model, sampled_at))
+    requests = [r for step_requests in engine.requests for r in step_requests]
+    call_len = {r.tag: len(calls[r.tag[1]]) for r in requests}
+    assert any(0 < len(r.prefix) < call_len[r.tag] for r in requests)  # stopped inside its call, continued from there
+    assert any(len(engine.so_far(r)) > call_len[r.tag] + len(turn) for r in requests)  # stopped after its tool turn
+
+    # a checkpoint after step 2, with answers in flight past their tool turn, resumes exactly
+    engine, before = run(range(1, 3))
+    buffer = io.BytesIO()
+    torch.save(engine.carry.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert any(a["turns"] and not a["done"] for g in state["groups"] for a in g["answers"])
+    _, resumed = run(range(3, 6), state, before[-1][-1])
+    for (_, ex_a, sm_a, *_), (_, ex_b, sm_b, *_) in zip(went[2:], resumed, strict=True):
+        assert ex_a == ex_b
+        assert [(x.response_ids, x.logprobs, x.carried, x.text) for x in sm_a] == [
+            (x.response_ids, x.logprobs, x.carried, x.text) for x in sm_b
+        ]

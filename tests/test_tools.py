@@ -254,3 +254,26 @@ def test_every_turn_but_the_last_stops_at_a_call(tiny_tools_model_dir):
         model = [i for i in range(len(s.response_ids)) if not any(t.start <= i < t.start + len(t.input_ids)
                                                                    for t in s.turns)]  # fmt: skip
         assert all(s.logprobs[i] == -1.0 for i in model) and sum(s.logprobs) == -len(model)
+
+
+def test_a_tool_turn_survives_a_checkpoint(tiny_tools_model_dir):
+    """Guards against a partial rollout's carried answer losing its tool turn's picture on resume: the turn's state,
+    saved and read back with weights_only=True (the rank files' reader), is the same turn, pixels and all."""
+    import io
+
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
+    picture = Image.new("RGB", (80, 60), "white")
+    picture.paste((200, 30, 30), (10, 10, 50, 40))
+    turn = turns.encode_turn(processor, tools.ToolResult("a crop", [picture]), 7, (56 * 56, 112 * 112))
+    buffer = io.BytesIO()
+    torch.save(turns.turn_state(turn), buffer)
+    buffer.seek(0)
+    back = turns.turn_from_state(torch.load(buffer, weights_only=True))
+    assert back.start == 7 and back.template_ids == turn.template_ids
+    for name in ("input_ids", "token_types", "pixel_values", "image_grid_thw"):
+        assert torch.equal(getattr(back, name), getattr(turn, name)), name
+    assert [(img.mode, img.size, img.tobytes()) for img in back.images] == [
+        (img.mode, img.size, img.tobytes()) for img in turn.images
+    ]

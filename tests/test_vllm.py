@@ -210,3 +210,15 @@ def test_a_request_of_several_answers_stops_as_its_answers_would_alone(tp1):
         assert None in reasons and "stop" in reasons, reasons  # both kinds of answer were stopped
         assert all(len(ids) > 1 for ids, _, reason in rank["stopped_grouped"] if reason is None)  # their tokens
         assert not rank["left_running"]  # every stopped answer was aborted
+
+
+def test_an_answer_that_pauses_leaves_its_group_open(tp1):
+    """Guards partial rollouts with tools (rollout.generate_until's pause_ids): an answer stopped at a tool call's
+    end must come back unfinished with its tokens up to the call, and must not complete its group, or the step would
+    stop other groups' answers on a quota it does not have and train an answer that ends at its call."""
+    for rank in tp1:
+        group0, group1 = rank["paused"][:4], rank["paused"][4:]
+        paused = [ids for ids, finished, _ in group0 if not finished]
+        assert paused, group0  # (half the tokens pause: some did)
+        assert all(ids[-1] % 2 == 0 and ids[-1] < 400 and all(t % 2 or t >= 400 for t in ids[:-1]) for ids in paused)
+        assert all(finished for _, finished, _ in group1), group1  # run to their end, not stopped

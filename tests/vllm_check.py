@@ -156,6 +156,19 @@ def check_grouped_stop(engine, prompt, result):
     result["left_running"] = engine.llm.llm_engine.has_unfinished_requests()
 
 
+def check_pause(engine, prompt, result):
+    """rollout.generate_until with pauses, as partial rollouts send tool-using answers: group 0's 4 answers pause at
+    any even token below 400 (where a tool call would end), group 1's 4 answers have no pause; quota 1. A paused
+    answer is returned unfinished, its tokens up to the pause, and its group is not complete: the engine must run
+    on until group 1 has ended (counted complete once its answers had all paused, group 0 would stop it early)."""
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=12)
+    engine.llm.reset_prefix_cache()
+    pause = tuple(range(0, 400, 2))
+    requests = [rollout.Continuation(prompt, [], 0, pause_ids=pause)] * 4 + [rollout.Continuation(prompt, [], 1)] * 4
+    out = engine.generate_until(requests, 1, params, seed=4242)
+    result["paused"] = [[ids, finished, truncated] for ids, _, finished, truncated in out]
+
+
 def record_applied(engine, names):
     """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
     apply = engine.llm.apply_model
@@ -260,6 +273,7 @@ def main():
     result["image_prefix_hits"] = started  # the 4 answers of a prompt share its prefill (whole KV blocks)
     if engine.tp_group is None:  # (a TP group's members would have to submit the same requests)
         check_grouped_stop(engine, image[0], result)
+        check_pause(engine, image[0], result)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
