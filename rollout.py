@@ -651,7 +651,7 @@ class VLLMEngine:
                     tokens[k] = list(completion.token_ids)
                     logprobs[k] = sampled_logprobs(completion)
                     finish[k] = completion.finish_reason
-                    paused[k] = finish[k] == "stop" and tokens[k][-1:] != [] and tokens[k][-1] in owner[k][3]
+                    paused[k] = finish[k] == "stop" and bool(tokens[k]) and tokens[k][-1] in owner[k][3]
                 return u
 
             while not quota_met() and engine.has_unfinished_requests():

@@ -212,11 +212,12 @@ def test_a_request_of_several_answers_stops_as_its_answers_would_alone(tp1):
         assert not rank["left_running"]  # every stopped answer was aborted
 
 
-def test_an_answer_that_pauses_leaves_its_group_open(tp1):
+def test_an_answer_that_pauses_leaves_its_group_open(tp1, tp2):
     """Guards partial rollouts with tools (rollout.generate_until's pause_ids): an answer stopped at a tool call's
     end must come back unfinished with its tokens up to the call, and must not complete its group, or the step would
-    stop other groups' answers on a quota it does not have and train an answer that ends at its call."""
-    for rank in tp1:
+    stop other groups' answers on a quota it does not have and train an answer that ends at its call. In a TP group
+    the members pool their requests and stop when each has its quota: each gets its own answers back."""
+    for rank in tp1 + tp2:
         group0, group1 = rank["paused"][:4], rank["paused"][4:]
         paused = [ids for ids, finished, _ in group0 if not finished]
         assert paused, group0  # (half the tokens pause: some did)

@@ -273,7 +273,7 @@ def main():
     result["image_prefix_hits"] = started  # the 4 answers of a prompt share its prefill (whole KV blocks)
     if engine.tp_group is None:  # (a TP group's members would have to submit the same requests)
         check_grouped_stop(engine, image[0], result)
-        check_pause(engine, image[0], result)
+    check_pause(engine, image[0], result)  # (generate_until pools a TP group's requests)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
