@@ -12,9 +12,9 @@ from tests.test_vllm import first_and_last, toy_run
 
 OFFLOAD = ["actor.offload_params=true", "actor.offload_optimizer=true"]
 BF16_OFFLOAD = ["actor.master_dtype=bf16", *OFFLOAD]
-# Partial rollouts ride along (partial.py): at most 36 answers decode together, so the step's quota of complete groups
-# is met while some answers wait or are cut (36 is no multiple of the 8 answers of a group), and answers are in flight
-# at the step-17 checkpoint
+# Partial rollouts ride along (partial.py), with the two ranks as one TP 2 engine group (they pool their requests):
+# at most 36 answers decode together, so the step's quota of complete groups is met while some answers wait or are
+# cut (36 is no multiple of the 8 answers of a group), and answers are in flight at the step-17 checkpoint
 PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token", "rollout.max_num_seqs=36"]
 PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
                 "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
@@ -23,11 +23,12 @@ PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/p
 
 @pytest.fixture(scope="module")
 def bf16_offload_run(tiny_model_dir, tmp_path_factory):
-    """20 toy-reward steps with bf16 masters and everything offloaded, and partial rollouts, validating at steps 0, 10
-    and 20 (the engine wakes there too), checkpoints at steps 17 and 20: (tmp dir, metrics rows of the training
-    steps)."""
+    """20 toy-reward steps with bf16 masters and everything offloaded, and partial rollouts on one TP 2 engine,
+    validating at steps 0, 10 and 20 (the engine wakes there too), checkpoints at steps 17 and 20: (tmp dir, metrics
+    rows of the training steps)."""
     tmp = tmp_path_factory.mktemp("bf16_offload")
-    args = [*BF16_OFFLOAD, *PARTIAL, "trainer.val_freq=10", "trainer.save_freq=17", "trainer.export_hf=false"]
+    args = [*BF16_OFFLOAD, *PARTIAL, "rollout.tensor_parallel_size=2", "trainer.val_freq=10",
+            "trainer.save_freq=17", "trainer.export_hf=false"]  # fmt: skip
     return tmp, args, toy_run(tiny_model_dir, tmp, *args)
 
 
