@@ -12,8 +12,8 @@ def test_tool_rollouts_train_and_engine_matches_trainer(tiny_tools_model_dir, tm
     the token budgets and the ranks' rebalancing (tool turns pickled with their images), and the engine's and the
     trainer's log-probs of the model's tokens disagreeing once tool turns and their pictures sit between them (vLLM
     continued from its own ids with the tool's image; the trainer sees the image in the tool turn). With partial
-    rollouts on, as the pieces meet there too: answers pause at their calls, are stopped inside and after their
-    turns and carried, with their turns, into step 2's training."""
+    rollouts on, as the pieces meet there too: answers pause at their calls and go on after their turns in a second
+    engine call of the step, and the groups finished beyond the quota wait, tool turns and all, for step 2."""
     from scripts.make_synthetic_data import make_tool_task
 
     train = make_tool_task(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
@@ -29,7 +29,7 @@ def test_tool_rollouts_train_and_engine_matches_trainer(tiny_tools_model_dir, tm
     assert [r["step"] for r in train_rows] == [1, 2]
     first = train_rows[0]
     assert first["tool/call_share"] > 0.5 and first["tool/calls"] >= 0.5 * 16 * 8, first  # the model calls at first
-    assert train_rows[1]["rollout/partial_carried"] > 0  # answers stopped at step 1, tool turns and all, trained
+    assert train_rows[1]["rollout/partial_carried"] > 0  # answers of step 1, tool turns and all, trained at step 2
     for r in train_rows:
         assert r["tool/error"] == r["tool/timeout"] == 0, r
         assert r["rollout/logprob_diff_max"] <= 1e-4, r["rollout/logprob_diff_max"]  # fp32 engine and trainer
