@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch.distributed as dist
 
@@ -48,6 +49,10 @@ class Answer:
     done: bool = False
     truncated: bool = False
     turns: list = field(default_factory=list)  # turns.ToolTurn inside `ids`, with tools: context, log-prob 0
+
+    def sample(self, group: int, **more) -> rollout.Sample:
+        """The answer so far as the trainer and the tool loop read it (its text is left empty)."""
+        return rollout.Sample(group, self.ids, self.logprobs, "", self.truncated, turns=self.turns, **more)
 
 
 @dataclass
@@ -141,8 +146,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
     stats["rollout/partial_continued"] = float(sum(bool(a.ids) for _, a in open_))  # resumed mid-answer
     had = {id(a): len(a.ids) for g in carry.groups for a in g.answers}  # tokens sampled before this step
-    tooled = getattr(engine, "pool", None) is not None  # turns.ToolEngine: an answer may pause at a tool call
-    if tooled:
+    marks = None  # with tools (turns.ToolEngine) an answer may pause at a tool call
+    if getattr(engine, "pool", None) is not None:
+        marks = _ToolMarks(*processor.tokenizer.convert_tokens_to_ids([tools.TOOL_CALL_END, "<|image_pad|>"]))
         stats.update(dict.fromkeys(("tool/calls", "tool/call_share", *turns.FAULT_KEYS), 0.0))
     # Without tools one engine call. With them, an answer that calls a tool pauses there; its tool turn is taken
     # (whether or not the quota is met: a carried answer waits after its turn, not inside it) and, while this rank
@@ -150,7 +156,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     # group's members submit together).
     for round_ in itertools.count():
         quota = need - sum(g.done for g in carry.groups)
-        requests = [_request(engine, carry.groups[gi], a, gi, pinned[gi]) for gi, a in open_]
+        requests = [_request(engine, carry.groups[gi], a, gi, pinned[gi], marks) for gi, a in open_]
         results = engine.generate_until(requests, quota, params, turns.turn_seed(seed, round_))
         for (_, a), (ids, logprobs, finished, truncated) in zip(open_, results, strict=True):
             if ids and a.born < 0:
@@ -158,9 +164,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
             a.ids, a.logprobs = a.ids + ids, a.logprobs + logprobs
             a.done, a.truncated = finished, truncated
             stats["rollout/partial_generated"] += len(ids)
-        if not tooled:
+        if marks is None:
             break
-        going = _take_tool_turns(engine, processor, carry, open_, stats)
+        going = _take_tool_turns(engine, processor, carry, open_, stats, marks.call_end)
         open_ = [(gi, a) for gi, a in open_ if not a.done]
         short = need > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
         if turns.busiest_rank(int(short and going > 0)) == 0:
@@ -170,38 +176,39 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     samples = []
     for gi, g in enumerate(ready):
         for a in g.answers:
-            samples.append(rollout.Sample(gi, a.ids, a.logprobs, "", a.truncated, turns=a.turns, carried=had[id(a)],
-                                          staleness=step - a.born if a.born >= 0 else 0))  # fmt: skip
+            samples.append(a.sample(gi, carried=had[id(a)], staleness=step - a.born if a.born >= 0 else 0))
             samples[-1].text = turns.model_text(processor.tokenizer, samples[-1])  # the last model turn's
     stats["rollout/partial_in_flight"] = float(sum(not a.done for g in carry.groups for a in g.answers))
     engine.stats = stats
     return [g.example for g in ready], [g.prompt for g in ready], samples, epoch, position
 
 
-def _call_stop(processor) -> int:
-    return processor.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
+class _ToolMarks(NamedTuple):
+    """The token ids an answer with tools is continued by."""
+
+    call_end: int  # </tool_call>: where the answer pauses for its tool turn
+    image_pad: int  # a picture's placeholder, in the turns that bring one
 
 
-def _request(engine, group: Group, a: Answer, gi: int, pinned: bool) -> rollout.Continuation:
-    """An open answer as the engine continues it: from its tokens; with tool turns, from its conversation so far
-    (turns.continuation: the turns' images with the prompt's). It pauses at a tool call while it may take a turn."""
-    if getattr(engine, "pool", None) is None:
+def _request(engine, group: Group, a: Answer, gi: int, pinned: bool, marks: _ToolMarks | None):
+    """An open answer as the engine continues it (rollout.Continuation): from its tokens; with tool turns, from its
+    conversation so far (turns.continuation: the turns' images with the prompt's). It pauses at a tool call while it
+    may take a turn."""
+    if marks is None:
         return rollout.Continuation(group.prompt, a.ids, gi, pinned)
-    pause = (_call_stop(engine.processor),) if len(a.turns) + 1 < engine.max_turns else ()
+    pause = (marks.call_end,) if len(a.turns) + 1 < engine.max_turns else ()
     if not a.turns:
         return rollout.Continuation(group.prompt, a.ids, gi, pinned, pause)
-    so_far = rollout.Sample(gi, a.ids, a.logprobs, "", False, turns=a.turns)
-    image_token_id = engine.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    prompt = turns.continuation(group.prompt, so_far, engine.budget - len(a.ids), image_token_id)
+    prompt = turns.continuation(group.prompt, a.sample(gi), engine.budget - len(a.ids), marks.image_pad)
     return rollout.Continuation(prompt, [], gi, pinned, pause)
 
 
-def _take_tool_turns(engine, processor, carry: Carry, open_, stats) -> int:
+def _take_tool_turns(engine, processor, carry: Carry, open_, stats, call_end: int) -> int:
     """The tool turns of the open answers that paused at a call (turns.take_tool_turns); an answer whose turn does
     not fit its budget ends where it called. Returns how many go on."""
-    stop = _call_stop(processor)
-    called = [(gi, a) for gi, a in open_ if not a.done and a.ids[-1:] == [stop] and len(a.turns) + 1 < engine.max_turns]
-    views = [rollout.Sample(gi, a.ids, a.logprobs, "", False, turns=a.turns) for gi, a in called]
+    called = [(gi, a) for gi, a in open_
+              if not a.done and a.ids[-1:] == [call_end] and len(a.turns) + 1 < engine.max_turns]  # fmt: skip
+    views = [a.sample(gi) for gi, a in called]
     prompts = [carry.groups[gi].prompt for gi, _ in called]
     going = turns.take_tool_turns(engine, processor, engine.pool, prompts, views, engine.budget, engine.bounds, stats)
     for (_, a), s in zip(called, views, strict=True):

@@ -25,6 +25,13 @@ def target_length(row: int, answer: int) -> int:
     return 12 + row % 5 if answer == 2 and row % 3 == 0 else 1 + (row + answer) % 3
 
 
+def quota_met(requests, ended, quota) -> bool:
+    """The engine's stop (rollout.VLLMEngine.generate_until): `quota` groups with every answer ended (a paused one has
+    not) and no pinned answer open. ended(k) says whether requests[k]'s answer has."""
+    complete = sum(all(ended(k) for k, r in enumerate(requests) if r.group == g) for g in {r.group for r in requests})
+    return complete >= quota and all(ended(k) for k, r in enumerate(requests) if r.pinned)
+
+
 class ScriptedEngine:
     """Every open request gains one token per engine step; token t of an answer is t (so an answer continued from its
     prefix reads 0, 1, 2, ... and one sampled afresh would start at 0 again), with the log-prob -step: the training
@@ -36,17 +43,12 @@ class ScriptedEngine:
     def generate_until(self, requests, quota, params, seed):
         self.requests.append(requests)
         new = [[] for _ in requests]
-        groups = {r.group for r in requests}
 
         def done(k):
             r = requests[k]
             return len(r.prefix) + len(new[k]) >= target_length(r.prompt.row, r.prompt.answer_of[id(r.prefix)])
 
-        def met():
-            complete = sum(all(done(k) for k, r in enumerate(requests) if r.group == g) for g in groups)
-            return complete >= quota and all(done(k) for k, r in enumerate(requests) if r.pinned)
-
-        while not met() and not all(done(k) for k in range(len(requests))):
+        while not quota_met(requests, done, quota) and not all(done(k) for k in range(len(requests))):
             for k, r in enumerate(requests):
                 if not done(k):
                     new[k].append(len(r.prefix) + len(new[k]))
@@ -212,16 +214,11 @@ class ToolScript:
     def generate_until(self, requests, quota, params, seed):
         self.requests.append(requests)
         new, state = [[] for _ in requests], [None] * len(requests)  # state: "paused" or "done" once there
-        groups = {r.group for r in requests}
 
         def ended(k):
             return state[k] == "done"
 
-        def met():
-            complete = sum(all(ended(k) for k, r in enumerate(requests) if r.group == g) for g in groups)
-            return complete >= quota and all(ended(k) for k, r in enumerate(requests) if r.pinned)
-
-        while not met() and any(s is None for s in state):
+        while not quota_met(requests, ended, quota) and any(s is None for s in state):
             for k, r in enumerate(requests):
                 if state[k] is not None:
                     continue
@@ -261,8 +258,8 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
         torch.arange(10, 10 + PROMPT_LEN), None, None, []))  # fmt: skip
     tag = partial._request
 
-    def tagged(engine, group, a, gi, pinned):
-        r = tag(engine, group, a, gi, pinned)
+    def tagged(engine, group, a, *more):
+        r = tag(engine, group, a, *more)
         r.tag = (group.index, next(j for j, x in enumerate(group.answers) if x is a))
         return r
 
