@@ -129,9 +129,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
         return batch, prompts, engine.generate(prompts, n, params, seed=seed), epoch, position
     stats = {"rollout/partial_dropped": 0.0, "rollout/partial_generated": 0.0}
     for g in carry.groups:
-        for a in g.answers:
+        for j, a in enumerate(g.answers):
             if a.born >= 0 and step - a.born > carry.max_staleness:  # older than the bound: it starts over
-                a.ids, a.logprobs, a.born, a.done, a.truncated = [], [], -1, False, False
+                g.answers[j] = Answer()  # (its tool turns too)
                 stats["rollout/partial_dropped"] += 1
     in_flight = need + math.ceil(carry.reserve * need)
     if len(carry.groups) < in_flight:

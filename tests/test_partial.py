@@ -245,7 +245,8 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
     continues the call from its tokens; one that paused at its call gets its tool turn (log-prob 0, context) in the
     step it called, and one stopped after that turn continues from its conversation (prompt, call, turn) without
     calling again; the trained answers are whole, the reward's text is the last model turn's, and a checkpoint
-    taken with such answers in flight resumes exactly."""
+    taken with such answers in flight resumes exactly, or, under a lower staleness bound, starts them over without
+    the tool turns they had."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
@@ -264,16 +265,16 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
         return r
 
     monkeypatch.setattr(partial, "_request", tagged)
-    cfg = load_config(None, ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token",
-                             f"rollout.n={N}", "rollout.tools=[tools.py:calculate]", "rollout.max_turns=2",
-                             "rollout.partial_reserve=2.0"])  # fmt: skip
+    args = ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token", f"rollout.n={N}",
+            "rollout.tools=[tools.py:calculate]", "rollout.max_turns=2", "rollout.partial_reserve=2.0"]  # fmt: skip
+    cfg = load_config(None, args)
 
-    def run(steps, state=None, position=0):
+    def run(steps, state=None, position=0, config=cfg):
         """Steps `steps` of a fresh engine (from `state`, a carry's checkpoint, and the data position it was saved
         at); per step its trained samples and the data position after it."""
         with tools.ToolPool(["tools.py:calculate"], timeout=5.0) as pool:
             engine = ToolScript(processor, pool, calls, turn)
-            engine.carry = partial.Carry(cfg)
+            engine.carry = partial.Carry(config)
             sampler = ShardSampler(24, 0, 1, shuffle=False)
             if state is not None:
                 engine.carry.load_state_dict(state)
@@ -287,19 +288,24 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
                 assert not any(a.ids[-1:] == [stop] and not a.done for g in engine.carry.groups for a in g.answers)
             return engine, out
 
+    def check_whole(went):
+        """Every trained answer is its call, its one tool turn and its words, each model token sampled at most at
+        the step it trains, the carried ones before it."""
+        for s, examples, samples, _, _ in went:
+            assert len(examples) == 2
+            for i, smp in enumerate(samples):
+                words, call = ToolScript.words(examples[smp.prompt_index], i % N), calls[i % N]
+                assert smp.response_ids == call + turn + words and [t.start for t in smp.turns] == [len(call)]
+                assert smp.turns[0].input_ids.tolist() == turn and smp.text == tok.decode(words)
+                assert smp.logprobs[len(call) : len(call) + len(turn)] == [0.0] * len(turn)
+                model = [p for p in range(len(smp.response_ids)) if not len(call) <= p < len(call) + len(turn)]
+                sampled_at = [-smp.logprobs[p] for p in model]  # the step that sampled each of the model's tokens
+                assert sampled_at == sorted(sampled_at)
+                assert all((t < s) == (p < smp.carried) and t <= s for p, t in zip(model, sampled_at))
+
     engine, went = run(range(1, 6))
     assert sum(stats["tool/calls"] for *_, stats, _ in went) > 0
-    for s, examples, samples, _, _ in went:
-        assert len(examples) == 2
-        for i, smp in enumerate(samples):
-            words, call = ToolScript.words(examples[smp.prompt_index], i % N), calls[i % N]
-            assert smp.response_ids == call + turn + words and [t.start for t in smp.turns] == [len(call)]
-            assert smp.turns[0].input_ids.tolist() == turn and smp.text == tok.decode(words)
-            assert smp.logprobs[len(call) : len(call) + len(turn)] == [0.0] * len(turn)
-            model = [p for p in range(len(smp.response_ids)) if not len(call) <= p < len(call) + len(turn)]
-            sampled_at = [-smp.logprobs[p] for p in model]  # the step that sampled each of the model's tokens
-            assert sampled_at == sorted(sampled_at)
-            assert all((t < s) == (p < smp.carried) and t <= s for p, t in zip(model, sampled_at))
+    check_whole(went)
     requests = [r for step_requests in engine.requests for r in step_requests]
     call_len = {r.tag: len(calls[r.tag[1]]) for r in requests}
     assert any(0 < len(r.prefix) < call_len[r.tag] for r in requests)  # stopped inside its call, continued from there
@@ -318,3 +324,9 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
         assert [(x.response_ids, x.logprobs, x.carried, x.text) for x in sm_a] == [
             (x.response_ids, x.logprobs, x.carried, x.text) for x in sm_b
         ]
+
+    # resumed at a later step under a lower staleness bound, the answers in flight start over, their turns too
+    _, restarted = run(range(5, 7), state, before[-1][-1], load_config(None, [*args, "rollout.max_staleness=1"]))
+    dropped = sum(a["born"] >= 0 for g in state["groups"] for a in g["answers"])  # all started by step 2
+    assert restarted[0][3]["rollout/partial_dropped"] == dropped > 0
+    check_whole(restarted)
