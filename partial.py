@@ -96,6 +96,11 @@ class Carry:
         self.n, self.reserve, self.max_staleness = r.n, r.partial_reserve, r.max_staleness
         self.max_tokens = cfg.data.max_response_length
         self.groups: list[Group] = []
+        # the step being generated and what each answer had when it began: dynamic sampling's later rounds of a step
+        # continue answers of its first, whose tokens are this step's (id(a) -> (a, tokens); holding `a` keeps its id
+        # from being reused)
+        self.step, self.before = -1, {}
+        self.in_flight = 0.0  # answers kept after the step's rounds so far (their metric is summed over the rounds)
 
     def state_dict(self) -> dict:
         """Plain numbers, lists and tensors, which torch.load(weights_only=True) reads back."""
@@ -144,8 +149,12 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     open_ = [(gi, a) for gi, g in enumerate(carry.groups) for a in g.answers if not a.done]
     # a group whose oldest token is at the bound finishes now: stopping it again would make that token too old
     pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
-    stats["rollout/partial_continued"] = float(sum(bool(a.ids) for _, a in open_))  # resumed mid-answer
-    had = {id(a): len(a.ids) for g in carry.groups for a in g.answers}  # tokens sampled before this step
+    if carry.step != step:
+        carry.step, carry.before, carry.in_flight = step, {}, 0.0
+    stats["rollout/partial_continued"] = float(sum(bool(a.ids) for _, a in open_ if id(a) not in carry.before))
+    for g in carry.groups:
+        for a in g.answers:
+            carry.before.setdefault(id(a), (a, len(a.ids)))  # its tokens sampled before this step
     marks = None  # with tools (turns.ToolEngine) an answer may pause at a tool call
     if getattr(engine, "pool", None) is not None:
         marks = _ToolMarks(*processor.tokenizer.convert_tokens_to_ids([tools.TOOL_CALL_END, "<|image_pad|>"]))
@@ -176,9 +185,12 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     samples = []
     for gi, g in enumerate(ready):
         for a in g.answers:
-            samples.append(a.sample(gi, carried=had[id(a)], staleness=step - a.born if a.born >= 0 else 0))
+            staleness = step - a.born if a.born >= 0 else 0
+            samples.append(a.sample(gi, carried=carry.before[id(a)][1], staleness=staleness))
             samples[-1].text = turns.model_text(processor.tokenizer, samples[-1])  # the last model turn's
-    stats["rollout/partial_in_flight"] = float(sum(not a.done for g in carry.groups for a in g.answers))
+    in_flight = float(sum(not a.done for g in carry.groups for a in g.answers))
+    stats["rollout/partial_in_flight"] = in_flight - carry.in_flight  # this round's change (the rounds are summed)
+    carry.in_flight = in_flight
     engine.stats = stats
     return [g.example for g in ready], [g.prompt for g in ready], samples, epoch, position
 

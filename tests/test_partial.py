@@ -96,19 +96,44 @@ def test_carried_answers_continue_from_their_tokens_with_the_logprobs_they_were_
     trained, carried_tokens = [], 0
     for s in range(1, 7):
         examples, samples = step(s)
-        assert len(examples) == 2 and len(samples) == 2 * N
-        for i, smp in enumerate(samples):
-            row, answer = examples[smp.prompt_index], i % N
-            assert smp.response_ids == list(range(target_length(row, answer)))  # whole, and continued
-            sampled_at = [-lp for lp in smp.logprobs]  # the step that sampled each token (the script's log-prob)
-            assert all(t < s for t in sampled_at[: smp.carried]) and sampled_at == sorted(sampled_at)
-            assert all(t == s for t in sampled_at[smp.carried :])
-            assert smp.staleness == s - sampled_at[0]
-            carried_tokens += smp.carried
+        carried_tokens += check_continued(s, examples, samples)
         trained += examples
     assert carried_tokens > 0  # the script makes answers wait: the check above saw carried tokens
     assert any(r.prefix for requests in engine.requests for r in requests)  # continued, with their tokens sent
     assert sorted(trained) == list(range(12))  # every prompt drawn is trained once, in time, none dropped
+
+
+def check_continued(s, examples, samples) -> int:
+    """Samples trained at step s are whole answers continued from their tokens, the first `carried` of them (and only
+    those) sampled at earlier steps; returns how many tokens were carried."""
+    assert len(examples) == 2 and len(samples) == 2 * N
+    for i, smp in enumerate(samples):
+        row, answer = examples[smp.prompt_index], i % N
+        assert smp.response_ids == list(range(target_length(row, answer)))  # whole, and continued
+        sampled_at = [-lp for lp in smp.logprobs]  # the step that sampled each token (the script's log-prob)
+        assert all(t < s for t in sampled_at[: smp.carried]) and sampled_at == sorted(sampled_at)
+        assert all(t == s for t in sampled_at[smp.carried :])
+        assert smp.staleness == s - sampled_at[0]
+    return sum(smp.carried for smp in samples)
+
+
+def test_dynamic_samplings_rounds_of_one_step_carry_only_earlier_steps_tokens(monkeypatch):
+    """Guards against tokens that a step's first round of dynamic sampling sampled being counted, in its next round,
+    as sampled under older weights: the mismatch watch would leave them out, and the off-policy share and the
+    counts of continued and in-flight answers would be the rounds' sum, not the step's."""
+    engine, step = setup(monkeypatch)
+    continued = []
+    for s in range(1, 7):
+        stats = {}
+        continued.append(sum(bool(a.ids) for g in engine.carry.groups for a in g.answers if not a.done))
+        for _ in range(2):  # the first round's groups all filtered out: a second round of the same step
+            examples, samples = step(s)
+            stats = {k: stats.get(k, 0.0) + v for k, v in engine.stats.items()}  # as collect_rollouts sums them
+            check_continued(s, examples, samples)
+        in_flight = [a for g in engine.carry.groups for a in g.answers if not a.done]
+        assert stats["rollout/partial_in_flight"] == len(in_flight) and stats["rollout/partial_dropped"] == 0
+        assert stats["rollout/partial_continued"] == continued[-1]  # resumed mid-answer from an earlier step
+    assert max(continued) > 0
 
 
 def test_no_token_waits_longer_than_max_staleness(monkeypatch):
