@@ -201,8 +201,10 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg, engine=None)
         # position counts prompts of this rank's shard: keep the number of steps done in the epoch instead
         old_per_rank = saved["config"]["data"]["rollout_batch_size"] // saved["world_size"]
         position = position // old_per_rank * (cfg.data.rollout_batch_size // world)
+        lost = saved["world_size"] > world and getattr(engine, "carry", None) is not None  # (their rank files)
         print0(f"warning: checkpoint written by {saved['world_size']} ranks, resumed on {world}: "
-               "the data order and random streams differ from an uninterrupted run")  # fmt: skip
+               "the data order and random streams differ from an uninterrupted run"
+               + (f"; the answers in flight of ranks {world} and up are dropped" if lost else ""))  # fmt: skip
     rank_file = os.path.join(path, f"rank_{rank}.pt")
     if os.path.exists(rank_file):
         restore_rank_state(read_rank_state(rank_file), scorer, getattr(engine, "carry", None))

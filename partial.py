@@ -101,6 +101,7 @@ class Carry:
         # from being reused)
         self.step, self.before = -1, {}
         self.in_flight = 0.0  # answers kept after the step's rounds so far (their metric is summed over the rounds)
+        self.restarted = 0  # answers of a checkpoint that start over (load_state_dict), counted at the next step
 
     def state_dict(self) -> dict:
         """Plain numbers, lists and tensors, which torch.load(weights_only=True) reads back."""
@@ -109,10 +110,22 @@ class Carry:
         ]} for g in self.groups]}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        def answer(a):
-            return Answer(**{**a, "turns": [turns.turn_from_state(t) for t in a.get("turns", [])]})
+        """A checkpoint's answers in flight. Those that this run's settings cannot continue start over, counted in
+        the next step's rollout/partial_dropped: every answer of a group drawn with another rollout.n (its advantage
+        needs this n), and an answer with more tokens than data.max_response_length, or as many without having
+        finished (the engine could sample none more)."""
 
-        self.groups = [Group(g["index"], [answer(a) for a in g["answers"]]) for g in state["groups"]]
+        def answer(a):
+            a = Answer(**{**a, "turns": [turns.turn_from_state(t) for t in a.get("turns", [])]})
+            return a if len(a.ids) < self.max_tokens or (a.done and len(a.ids) == self.max_tokens) else None
+
+        self.groups, self.restarted = [], 0
+        for g in state["groups"]:
+            answers = [answer(a) for a in g["answers"]]
+            if len(answers) != self.n:
+                answers = [None] * self.n
+            self.restarted += sum(bool(a["ids"]) for a in g["answers"]) - sum(bool(a and a.ids) for a in answers)
+            self.groups.append(Group(g["index"], [a or Answer() for a in answers]))
 
 
 def with_carry(engine, cfg):
@@ -132,7 +145,8 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
         batch = [train_set[i] for i in indices]
         prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
         return batch, prompts, engine.generate(prompts, n, params, seed=seed), epoch, position
-    stats = {"rollout/partial_dropped": 0.0, "rollout/partial_generated": 0.0}
+    stats = {"rollout/partial_dropped": float(carry.restarted), "rollout/partial_generated": 0.0}
+    carry.restarted = 0
     for g in carry.groups:
         for j, a in enumerate(g.answers):
             if a.born >= 0 and step - a.born > carry.max_staleness:  # older than the bound: it starts over

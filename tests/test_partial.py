@@ -175,6 +175,32 @@ def test_answers_in_flight_survive_a_checkpoint(monkeypatch):
     assert engine2.stats["rollout/partial_dropped"] > 0
 
 
+@pytest.mark.parametrize("setting", ["rollout.n", "data.max_response_length"])
+def test_a_resume_starts_over_the_answers_it_cannot_continue(monkeypatch, setting):
+    """Guards against a resume under another rollout.n that trains groups of the old n (the trainer cuts the batch
+    into groups of the new n: advantages over answers of different prompts), and one under a lower answer limit
+    that asks the engine for a negative number of tokens: those answers start over, counted, and the others go on."""
+    engine, step = setup(monkeypatch)
+    for s in range(1, 3):
+        step(s)
+    state = engine.carry.state_dict()
+    longest = max(len(a["ids"]) for g in state["groups"] for a in g["answers"])
+    value = {"rollout.n": N + 1, "data.max_response_length": longest}[setting]
+    carry = partial.Carry(load_config(None, ["rollout.partial=true", f"rollout.n={N}", f"{setting}={value}"]))
+    carry.load_state_dict(state)
+    kept = [(a["ids"], b.ids) for g, h in zip(state["groups"], carry.groups) for a, b in zip(g["answers"], h.answers)]
+    if setting == "rollout.n":
+        assert all(len(g.answers) == N + 1 and not any(a.ids for a in g.answers) for g in carry.groups)
+    else:  # the longest answers in flight start over, the others keep their tokens
+        assert {len(a) for a, b in kept if not b} == {longest} and all(b == a for a, b in kept if b)
+    restarted = sum(bool(a["ids"]) for g in state["groups"] for a in g["answers"]) - sum(bool(b) for _, b in kept)
+    assert carry.restarted == restarted > 0
+    engine.carry, engine.step = carry, 3
+    partial.draw_and_generate(engine, ShardSampler(24, 0, 1, shuffle=False), list(range(24)), SimpleNamespace(
+        tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "")), 0, 4, 2, N, None, 0, 3)  # fmt: skip
+    assert engine.stats["rollout/partial_dropped"] == restarted  # counted once, at the step after the resume
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
