@@ -172,7 +172,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     marks = None  # with tools (turns.ToolEngine) an answer may pause at a tool call
     if getattr(engine, "pool", None) is not None:
         marks = _ToolMarks(*processor.tokenizer.convert_tokens_to_ids([tools.TOOL_CALL_END, "<|image_pad|>"]))
-        stats.update(dict.fromkeys(("tool/calls", "tool/call_share", *turns.FAULT_KEYS), 0.0))
+        stats.update(dict.fromkeys(("tool/calls", *turns.FAULT_KEYS), 0.0))
     # Without tools one engine call. With them, an answer that calls a tool pauses there; its tool turn is taken
     # (whether or not the quota is met: a carried answer waits after its turn, not inside it) and, while this rank
     # is short of its groups, it goes on in the next call of the same step. Every rank makes as many calls (a TP

@@ -997,7 +997,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
     fails["reward/timeouts"] = float(scorer.n_timeouts)
     metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
-    metrics.update(turns.step_metrics(filter_stats, len(samples)))  # tool calls and faults, when tools are on
+    metrics.update(turns.step_metrics(filter_stats, samples))  # tool calls and faults, when tools are on
     metrics.update(partial.step_metrics(filter_stats, samples))  # carried answers and their staleness, with partial
     if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
         rounds = filter_stats.pop("rollout/filter_rounds")

@@ -157,7 +157,6 @@ def take_tool_turns(engine, processor, pool, prompts, called, budget, bounds, st
     for s in called:
         result = results[id(s)]
         stats["tool/calls"] += 1
-        stats["tool/call_share"] += not s.turns
         if result.fault:
             stats[f"tool/{result.fault}"] += 1
         tool_turn = encode_turn(processor, result, len(s.response_ids), bounds)
@@ -174,7 +173,7 @@ def take_tool_turns(engine, processor, pool, prompts, called, budget, bounds, st
 
 def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_turns, budget, bounds):
     """The loop of the module docstring. Returns (samples, stats): prompt-major samples as engine.generate's, and
-    this call's counts: tool/calls, tool/call_share (answers that call one), tool/<kind> of each tools.FAULTS."""
+    this call's counts: tool/calls, tool/<kind> of each tools.FAULTS."""
     tokenizer = processor.tokenizer
     stop = tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
     image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -183,7 +182,7 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
     last = replace(params, max_tokens=min(params.max_tokens, budget))
     to_call = replace(last, stop_token_ids=(*params.stop_token_ids, stop))
     samples = engine.generate(prompts, n, to_call if max_turns > 1 else last, seed)
-    stats = dict.fromkeys(("tool/calls", "tool/call_share", *FAULT_KEYS), 0.0)
+    stats = dict.fromkeys(("tool/calls", *FAULT_KEYS), 0.0)
     for turn in range(1, max_turns):
         called = [s for s in samples if s.response_ids and s.response_ids[-1] == stop and not s.truncated]
         going = take_tool_turns(engine, processor, pool, [prompts[s.prompt_index] for s in called], called, budget,
@@ -226,14 +225,17 @@ class ToolEngine:
         return samples
 
 
-def step_metrics(filter_stats: dict, n_samples: int) -> dict:
-    """The step's `tool/*` counts (taken out of filter_stats), summed over ranks; call_share as a share of all
-    answers. Collective when tools are on (every rank then has the same keys); {} without tools."""
+def step_metrics(filter_stats: dict, samples) -> dict:
+    """The step's `tool/*` counts (taken out of filter_stats), summed over ranks, and tool/call_share: the share of
+    the trained answers (`samples`) with a tool turn. (Counted at the calls it would also count the answers that
+    dynamic sampling drops and, with partial rollouts, those that train at a later step.) Collective when tools are
+    on (every rank then has the same keys); {} without tools."""
     counts = {k: filter_stats.pop(k) for k in [k for k in filter_stats if k.startswith("tool/")]}
     if not counts:
         return {}
+    counts["tool/call_share"] = float(sum(bool(s.turns) for s in samples))
     world = dist.get_world_size()
-    return mean_over_ranks(counts, {**dict.fromkeys(counts, 1.0 / world), "tool/call_share": n_samples})
+    return mean_over_ranks(counts, {**dict.fromkeys(counts, 1.0 / world), "tool/call_share": len(samples)})
 
 
 def with_tools(engine, cfg, processor):

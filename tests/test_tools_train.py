@@ -32,5 +32,6 @@ def test_tool_rollouts_train_and_engine_matches_trainer(tiny_tools_model_dir, tm
     assert train_rows[1]["rollout/partial_carried"] > 0  # answers of step 1, tool turns and all, trained at step 2
     for r in train_rows:
         assert r["tool/error"] == r["tool/timeout"] == 0, r
+        assert 0 < r["tool/call_share"] <= 1, r["tool/call_share"]  # of the trained answers, not of all in flight
         assert r["rollout/logprob_diff_max"] <= 1e-4, r["rollout/logprob_diff_max"]  # fp32 engine and trainer
         assert r["actor/micro_batches"] >= 2
