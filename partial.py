@@ -100,7 +100,7 @@ class Carry:
         # continue answers of its first, whose tokens are this step's (id(a) -> (a, tokens); holding `a` keeps its id
         # from being reused)
         self.step, self.before = -1, {}
-        self.in_flight = 0.0  # answers kept after the step's rounds so far (their metric is summed over the rounds)
+        self.unfinished = 0.0  # answers left unfinished by the step's rounds so far (their metric sums the rounds)
         self.restarted = 0  # answers of a checkpoint that start over (load_state_dict), counted at the next step
 
     def state_dict(self) -> dict:
@@ -164,7 +164,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     # a group whose oldest token is at the bound finishes now: stopping it again would make that token too old
     pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
     if carry.step != step:
-        carry.step, carry.before, carry.in_flight = step, {}, 0.0
+        carry.step, carry.before, carry.unfinished = step, {}, 0.0
     stats["rollout/partial_continued"] = float(sum(bool(a.ids) for _, a in open_ if id(a) not in carry.before))
     for g in carry.groups:
         for a in g.answers:
@@ -202,9 +202,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
             staleness = step - a.born if a.born >= 0 else 0
             samples.append(a.sample(gi, carried=carry.before[id(a)][1], staleness=staleness))
             samples[-1].text = turns.model_text(processor.tokenizer, samples[-1])  # the last model turn's
-    in_flight = float(sum(not a.done for g in carry.groups for a in g.answers))
-    stats["rollout/partial_in_flight"] = in_flight - carry.in_flight  # this round's change (the rounds are summed)
-    carry.in_flight = in_flight
+    unfinished = float(sum(not a.done for g in carry.groups for a in g.answers))
+    stats["rollout/partial_in_flight"] = unfinished - carry.unfinished  # this round's change (the rounds are summed)
+    carry.unfinished = unfinished
     engine.stats = stats
     return [g.example for g in ready], [g.prompt for g in ready], samples, epoch, position
 
