@@ -136,9 +136,11 @@ def with_carry(engine, cfg):
     return engine
 
 
-def draw_and_generate(engine, sampler, train_set, processor, epoch, position, need, n, params, seed, step):
-    """`need` groups of n answers: (examples, prompts, samples prompt-major), epoch, position. Without partial, the
-    next `need` prompts of the shard, generated to the end; with it (engine.carry), see the module docstring."""
+def draw_and_generate(engine, sampler, train_set, processor, epoch, position, need, n, params, seed, step, have=0):
+    """Groups of n answers: (examples, prompts, samples prompt-major), epoch, position. Without partial, the next
+    `need` prompts of the shard, generated to the end; with it (engine.carry, see the module docstring), the `need -
+    have` groups the step still lacks (`have`: those that dynamic sampling's earlier rounds of the step kept), and
+    complete groups past them stay in flight for the next round or step."""
     carry = getattr(engine, "carry", None)
     if carry is None:
         indices, epoch, position = sampler.next_indices(epoch, position, need)
@@ -178,7 +180,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     # is short of its groups, it goes on in the next call of the same step. Every rank makes as many calls (a TP
     # group's members submit together).
     for round_ in itertools.count():
-        quota = need - sum(g.done for g in carry.groups)
+        quota = need - have - sum(g.done for g in carry.groups)
         requests = [_request(engine, carry.groups[gi], a, gi, pinned[gi], marks) for gi, a in open_]
         results = engine.generate_until(requests, quota, params, turns.turn_seed(seed, round_))
         for (_, a), (ids, logprobs, finished, truncated) in zip(open_, results, strict=True):
@@ -191,10 +193,10 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
             break
         going = _take_tool_turns(engine, processor, carry, open_, stats, marks.call_end)
         open_ = [(gi, a) for gi, a in open_ if not a.done]
-        short = need > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
+        short = need - have > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
         if turns.busiest_rank(int(short and going > 0)) == 0:
             break
-    ready = [g for g in carry.groups if g.done][:need]  # oldest first: the list keeps the order they were drawn
+    ready = [g for g in carry.groups if g.done][: need - have]  # oldest first: the list keeps the order drawn
     carry.groups = [g for g in carry.groups if not any(g is r for r in ready)]
     samples = []
     for gi, g in enumerate(ready):

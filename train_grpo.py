@@ -649,7 +649,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
         seed = cfg.trainer.seed * 1_000_003 + step * world + rank + round_ * 10_000_019
         t0 = time.perf_counter()
         batch, batch_prompts, batch_samples, epoch, position = partial.draw_and_generate(
-            engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step
+            engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step, len(examples)
         )
         timings["time/generate"] += time.perf_counter() - t0
         stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts

@@ -78,10 +78,10 @@ def setup(monkeypatch, rows=24, **overrides):
     sampler = ShardSampler(rows, 0, 1, shuffle=False)
     state = {"epoch": 0, "position": 0}
 
-    def step(s, need=2):
+    def step(s, need=2, have=0):
         engine.step = s
         examples, prompts, samples, state["epoch"], state["position"] = partial.draw_and_generate(
-            engine, sampler, list(range(rows)), processor, state["epoch"], state["position"], need, N, None, 0, s
+            engine, sampler, list(range(rows)), processor, state["epoch"], state["position"], need, N, None, 0, s, have
         )
         return examples, samples
 
@@ -134,6 +134,29 @@ def test_dynamic_samplings_rounds_of_one_step_carry_only_earlier_steps_tokens(mo
         assert stats["rollout/partial_in_flight"] == len(in_flight) and stats["rollout/partial_dropped"] == 0
         assert stats["rollout/partial_continued"] == continued[-1]  # resumed mid-answer from an earlier step
     assert max(continued) > 0
+
+
+def test_dynamic_samplings_later_round_takes_only_the_groups_still_missing(monkeypatch):
+    """Guards against a later round of dynamic sampling that returns the step's whole quota again: collect_rollouts
+    keeps only the groups still missing, so the other complete groups would be thrown away with their answers.
+    Here a filter keeps the odd rows; every group drawn must then train or be filtered out, none lost."""
+    engine, step = setup(monkeypatch, rows=200)
+    need, trained, filtered, rounds, kept = 3, [], [], [], 0
+    for s in range(1, 9):
+        have = []
+        rounds.append(0)
+        while len(have) < need and rounds[-1] < 8:
+            examples, samples = step(s, need, have=len(have))
+            assert len(examples) == need - len(have) and len(samples) == N * len(examples)
+            for row in examples:
+                (have if row % 2 else filtered).append(row)
+            rounds[-1] += 1
+        assert len(have) == need
+        trained += have
+        kept += sum(g.done for g in engine.carry.groups)
+    assert max(rounds) > 1 and kept > 0  # the filter made steps take more rounds, complete groups stayed in flight
+    waiting = [g.index for g in engine.carry.groups]
+    assert sorted(trained + filtered + waiting) == list(range(len(trained + filtered + waiting)))
 
 
 def test_no_token_waits_longer_than_max_staleness(monkeypatch):
