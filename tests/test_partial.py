@@ -139,7 +139,8 @@ def test_dynamic_samplings_rounds_of_one_step_carry_only_earlier_steps_tokens(mo
 def test_dynamic_samplings_later_round_takes_only_the_groups_still_missing(monkeypatch):
     """Guards against a later round of dynamic sampling that returns the step's whole quota again: collect_rollouts
     keeps only the groups still missing, so the other complete groups would be thrown away with their answers.
-    Here a filter keeps the odd rows; every group drawn must then train or be filtered out, none lost."""
+    Here a filter keeps the odd rows; every group drawn must then train or be filtered out, none lost (a rank that
+    is full already takes none in the rounds that other ranks still need)."""
     engine, step = setup(monkeypatch, rows=200)
     need, trained, filtered, rounds, kept = 3, [], [], [], 0
     for s in range(1, 9):
@@ -153,6 +154,8 @@ def test_dynamic_samplings_later_round_takes_only_the_groups_still_missing(monke
             rounds[-1] += 1
         assert len(have) == need
         trained += have
+        # a rank already full takes the rounds another rank still needs: it takes no group, and loses none
+        assert step(s, need, have=need) == ([], [])
         kept += sum(g.done for g in engine.carry.groups)
     assert max(rounds) > 1 and kept > 0  # the filter made steps take more rounds, complete groups stayed in flight
     waiting = [g.index for g in engine.carry.groups]
