@@ -57,7 +57,8 @@ def save_checkpoint(output_dir, step, epoch, position, model, optimizer, schedul
     error = None
     try:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        torch.save(rank_state(scorer, getattr(engine, "carry", None)), os.path.join(tmp, f"rank_{rank}.pt"))
+        state = rank_state(scorer, getattr(engine, "carry", None), (epoch, position))
+        torch.save(state, os.path.join(tmp, f"rank_{rank}.pt"))
     except (Exception, dcp.CheckpointException) as e:  # (DCP's own is a BaseException)
         error = e
     _raise_if_save_failed(error, step, output_dir, tmp)  # every rank's files are written, or every rank stops here
@@ -207,10 +208,13 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg, engine=None)
                + (f"; the answers in flight of ranks {world} and up are dropped" if lost else ""))  # fmt: skip
     rank_file = os.path.join(path, f"rank_{rank}.pt")
     if os.path.exists(rank_file):
-        restore_rank_state(read_rank_state(rank_file), scorer, getattr(engine, "carry", None))
+        rank_saved = read_rank_state(rank_file)
+        restore_rank_state(rank_saved, scorer, getattr(engine, "carry", None))
+        if saved["world_size"] == world and "data_position" in rank_saved:  # (files written before it: the shared one)
+            epoch, position = rank_saved["data_position"]
     print0(
         f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
-        f"index {position} of this epoch's shard on each rank; next step {step + 1}"
+        f"index {position} of this epoch's shard on rank 0; next step {step + 1}"
     )
     return step, epoch, position
 
@@ -240,10 +244,11 @@ def _refused_globals(file):
     return ", ".join(names) or "something that is not data"
 
 
-def rank_state(scorer, carry=None):
-    """This rank's random streams, reward counters and (partial rollouts) the answers in flight as tensors, numbers
-    and lists, which torch.load(weights_only=True) reads back (numpy's and Python's states are tuples of objects;
-    their numbers go into int64 tensors)."""
+def rank_state(scorer, carry=None, data_position=None):
+    """This rank's random streams, reward counters, data position (epoch, index in its shard) and (partial rollouts)
+    the answers in flight as tensors, numbers and lists, which torch.load(weights_only=True) reads back (numpy's and
+    Python's states are tuples of objects; their numbers go into int64 tensors). The position is the rank's own:
+    with partial rollouts and dynamic sampling a rank that filled its batch in fewer rounds draws fewer prompts."""
     import random
 
     import numpy as np
@@ -258,6 +263,7 @@ def rank_state(scorer, carry=None):
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "reward_counters": {"n_timeouts": scorer.n_timeouts, "n_errors": scorer.n_errors},
+        **({"data_position": [int(x) for x in data_position]} if data_position is not None else {}),
         **({"partial": carry.state_dict()} if carry is not None else {}),
     }  # fmt: skip
 

@@ -407,3 +407,39 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
     dropped = sum(a["born"] >= 0 for g in state["groups"] for a in g["answers"])  # all started by step 2
     assert restarted[0][3]["rollout/partial_dropped"] == dropped > 0
     check_whole(restarted)
+
+
+class _Plain(torch.nn.Linear):
+    def reshard(self):  # (FSDP2's: a plain module has nothing to reshard)
+        pass
+
+
+@pytest.mark.parametrize("case", ["same_ranks", "other_ranks", "rank_file_without_it"])
+def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, case):
+    """Guards against a resume that puts every rank at rank 0's data position: with partial rollouts and dynamic
+    sampling a rank that filled its batch in fewer rounds has drawn fewer prompts (draw_and_generate's `have`), and
+    would draw other prompts than the run that went on. A checkpoint of this rank at index 37 whose trainer_state (rank
+    0's) says 30: the rank's own on the same ranks; on other ranks, and from a rank file written before positions
+    were in it, rank 0's."""
+    import json
+
+    import checkpoint
+
+    cfg = load_config(None, ["data.rollout_batch_size=8"])
+    model = _Plain(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scorer = SimpleNamespace(n_timeouts=0, n_errors=0)
+    checkpoint.save_checkpoint(str(tmp_path), 2, 1, 37, model, optimizer, scheduler, scorer, cfg)
+    path = tmp_path / "checkpoints" / "step_2"
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["position"] = 30
+    if case == "other_ranks":  # written by 2 ranks of 4 prompts: 7 steps into the epoch, 8 prompts a step now
+        state["world_size"] = 2
+    if case == "rank_file_without_it":
+        rank_state = checkpoint.read_rank_state(str(path / "rank_0.pt"))
+        assert rank_state.pop("data_position") == [1, 37]
+        torch.save(rank_state, path / "rank_0.pt")
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    got = checkpoint.load_checkpoint(str(path), model, optimizer, scheduler, scorer, cfg)
+    assert got == {"same_ranks": (2, 1, 37), "other_ranks": (2, 1, 56), "rank_file_without_it": (2, 1, 30)}[case]
