@@ -179,8 +179,9 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     # (whether or not the quota is met: a carried answer waits after its turn, not inside it) and, while this rank
     # is short of its groups, it goes on in the next call of the same step. Every rank makes as many calls (a TP
     # group's members submit together).
+    missing = need - have  # the groups this call returns
     for round_ in itertools.count():
-        quota = need - have - sum(g.done for g in carry.groups)
+        quota = missing - sum(g.done for g in carry.groups)
         requests = [_request(engine, carry.groups[gi], a, gi, pinned[gi], marks) for gi, a in open_]
         results = engine.generate_until(requests, quota, params, turns.turn_seed(seed, round_))
         for (_, a), (ids, logprobs, finished, truncated) in zip(open_, results, strict=True):
@@ -193,10 +194,10 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
             break
         going = _take_tool_turns(engine, processor, carry, open_, stats, marks.call_end)
         open_ = [(gi, a) for gi, a in open_ if not a.done]
-        short = need - have > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
+        short = missing > sum(g.done for g in carry.groups) or any(pinned[gi] for gi, _ in open_)
         if turns.busiest_rank(int(short and going > 0)) == 0:
             break
-    ready = [g for g in carry.groups if g.done][: need - have]  # oldest first: the list keeps the order drawn
+    ready = [g for g in carry.groups if g.done][:missing]  # oldest first: the list keeps the order they were drawn
     carry.groups = [g for g in carry.groups if not any(g is r for r in ready)]
     samples = []
     for gi, g in enumerate(ready):
