@@ -4,6 +4,7 @@ model, data and seeds, and the rollout throughput of each (tokens generated per 
     python bench/bench_partial.py                      # the workload below; its last line is the ratio, on / off
     python bench/bench_partial.py --workload other     # another length distribution, to check the gain holds
     python bench/bench_partial.py --workload loop      # a heavier tail: a few answers loop on to the limit
+    python bench/bench_partial.py --workload loop --max-response-length 1024   # the same under a longer limit
 
 The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
@@ -82,6 +83,7 @@ def main():
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reserve", type=float, help="rollout.partial_reserve of the partial run (the workload's)")
+    parser.add_argument("--max-response-length", type=int, help="the answers' limit (the workload's)")
     args = parser.parse_args()
     from scripts.make_synthetic_data import make_geo3k_like
     from scripts.make_tiny_model import build_tiny_model
@@ -89,6 +91,8 @@ def main():
     w = WORKLOADS[args.workload]
     tmp = tempfile.mkdtemp(prefix="bench_partial_")
     reserve = w["reserve"] if args.reserve is None else args.reserve
+    if args.max_response_length is not None:
+        w = {**w, "max_response_length": args.max_response_length}
     model = build_tiny_model(os.path.join(tmp, "model"), seed=w["seed"], eos_logit=w["eos_logit"],
                              loop_logit=w["loop_logit"])  # fmt: skip
     data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
