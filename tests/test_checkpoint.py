@@ -6,6 +6,7 @@ The runs are 2 ranks under torchrun on CPU with the tiny Qwen2.5-VL: 16 syntheti
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,13 @@ DETERMINISTIC_KEYS = [
     "actor/clip_frac", "actor/grad_norm", "actor/lr", "actor/skipped_steps", "response_length/mean",
     "response_length/max", "response_length/clip_ratio", "reward/timeouts", "reward/errors",
 ]  # fmt: skip
+
+
+# What partial rollouts carry from step to step, which a resumed run must reproduce as exactly
+PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token"]
+PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
+                "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
+                "rollout/staleness_max", "rollout/off_policy_share"]  # fmt: skip
 
 
 # LoRA on: the same runs must resume as exactly from checkpoints that hold only the adapters and their
@@ -172,6 +180,36 @@ def test_resume_from_a_checkpoint_of_the_format_before(tiny_model_dir, uninterru
     assert [r["step"] for r in resumed] == [5, 6]
     for got, want in zip(resumed, expected):
         assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
+
+
+def test_partial_rollouts_with_dynamic_sampling_resume_exactly(tiny_model_dir, tmp_path):
+    """Guards against a resume that loses what partial rollouts and dynamic sampling leave between steps: the answers
+    in flight, and each rank's own data position (a round takes only the groups its rank still lacks, so the ranks
+    draw different numbers of prompts). 2 ranks with vLLM, a filter that drops some groups; steps 3-4 rerun from the
+    step-2 checkpoint must equal the uninterrupted run's."""
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
+    out = tmp_path / "run"
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=4", "trainer.save_freq=2", *PARTIAL,
+                    "algorithm.online_filtering=true", "algorithm.filter_key=overall", "algorithm.filter_low=0.001",
+                    engine="vllm")  # fmt: skip
+    torchrun(2, *args)
+    rows = metrics(out)
+    # a group filtered out before the checkpoint: the rank that lacked it took more in the next round, and from there
+    # the ranks' positions in the data differ
+    assert any(r["rollout/filtered_groups"] > 0 for r in rows[:2])
+    # every group the rounds return trains or is filtered out (4 prompts a step): complete groups past a round's
+    # quota wait in flight
+    assert all(r["rollout/prompts_drawn"] == 4 + r["rollout/filtered_groups"] for r in rows)
+    shutil.rmtree(out / "checkpoints" / "step_4")
+    stdout = torchrun(2, *args)
+    assert f"resumed from {out / 'checkpoints' / 'step_2'}" in stdout
+    keys = DETERMINISTIC_KEYS + PARTIAL_KEYS + ["rollout/prompts_drawn", "rollout/filtered_groups"]
+    resumed = metrics(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for got, want in zip(resumed[2:], rows[2:], strict=True):
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}, got["step"]
 
 
 def test_sigterm_finishes_the_step_saves_and_exits(tiny_model_dir, tmp_path):

@@ -7,18 +7,18 @@ import shutil
 import pytest
 
 from tests.launch import torchrun
-from tests.test_checkpoint import DETERMINISTIC_KEYS, metrics, run_args
+from tests.test_checkpoint import DETERMINISTIC_KEYS, PARTIAL, PARTIAL_KEYS, metrics, run_args
 from tests.test_vllm import first_and_last, toy_run
 
 OFFLOAD = ["actor.offload_params=true", "actor.offload_optimizer=true"]
 BF16_OFFLOAD = ["actor.master_dtype=bf16", *OFFLOAD]
 # Partial rollouts ride along (partial.py), with the two ranks as one TP 2 engine group (they pool their requests):
 # at most 36 answers decode together, so the step's quota of complete groups is met while some answers wait or are
-# cut (36 is no multiple of the 8 answers of a group), and answers are in flight at the step-17 checkpoint
-PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token", "rollout.max_num_seqs=36"]
-PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
-                "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
-                "rollout/staleness_max", "rollout/off_policy_share"]  # fmt: skip
+# cut (36 is no multiple of the 8 answers of a group), and answers are in flight at the step-17 checkpoint. Dynamic
+# sampling too: its filter drops the groups that score nothing (early on) or nearly full marks (at the end), and
+# those steps take a second round
+PARTIAL_TP = [*PARTIAL, "rollout.max_num_seqs=36", "algorithm.online_filtering=true", "algorithm.filter_key=overall",
+              "algorithm.filter_low=0.001"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def bf16_offload_run(tiny_model_dir, tmp_path_factory):
     validating at steps 0, 10 and 20 (the engine wakes there too), checkpoints at steps 17 and 20: (tmp dir, metrics
     rows of the training steps)."""
     tmp = tmp_path_factory.mktemp("bf16_offload")
-    args = [*BF16_OFFLOAD, *PARTIAL, "rollout.tensor_parallel_size=2", "trainer.val_freq=10",
+    args = [*BF16_OFFLOAD, *PARTIAL_TP, "rollout.tensor_parallel_size=2", "trainer.val_freq=10",
             "trainer.save_freq=17", "trainer.export_hf=false"]  # fmt: skip
     return tmp, args, toy_run(tiny_model_dir, tmp, *args)
 
@@ -35,7 +35,8 @@ def bf16_offload_run(tiny_model_dir, tmp_path_factory):
 def test_bf16_masters_with_offload_learn_the_toy_reward(bf16_offload_run):
     """Guards against bf16 master weights that stop learning (updates lost to bf16 rounding: lr 3e-3 AdamW steps are
     far below one bf16 step of many weights), an offload that breaks the loop and partial rollouts that do (stale
-    answers mistrained, groups trained incomplete, a continued answer whose prompt vLLM saw otherwise, which raises):
+    answers mistrained, groups trained incomplete or, with dynamic sampling, thrown away, a continued answer whose
+    prompt vLLM saw otherwise, which raises):
     the same criterion as the fp32 run of test_vllm.py, the engine still sampling the trainer's policy, answers
     carried over and cut ones continued, and the transfers timed every step."""
     _, _, rows = bf16_offload_run
@@ -45,6 +46,9 @@ def test_bf16_masters_with_offload_learn_the_toy_reward(bf16_offload_run):
     assert all(r["rollout/partial_carried"] > 0 and r["rollout/off_policy_share"] > 0 for r in rows[1:])
     assert any(r["rollout/partial_continued"] > 0 for r in rows)  # answers cut mid-way, continued from their tokens
     assert all(r["rollout/staleness_max"] <= 4 and r["rollout/partial_dropped"] == 0 for r in rows)
+    # every group the rounds return trains or is filtered out (16 prompts a step), and some steps filter
+    assert all(r["rollout/prompts_drawn"] == 16 + r["rollout/filtered_groups"] for r in rows)
+    assert any(r["rollout/filter_rounds"] > 1 for r in rows)
     assert all(r["time/offload"] > 0 and r["time/onload"] > 0 for r in rows)
 
 
