@@ -27,7 +27,8 @@ DETERMINISTIC_KEYS = [
 ]  # fmt: skip
 
 
-# What partial rollouts carry from step to step, which a resumed run must reproduce as exactly
+# Partial rollouts with the correction they need, and the metrics of what they carry from step to step, which a
+# resumed run must reproduce as exactly
 PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token"]
 PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
                 "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
