@@ -30,6 +30,8 @@ DETERMINISTIC_KEYS = [
 # Partial rollouts with the correction they need, and the metrics of what they carry from step to step, which a
 # resumed run must reproduce as exactly
 PARTIAL = ["rollout.partial=true", "algorithm.rollout_is=token"]
+# Dynamic sampling whose filter drops the tiny model's groups that score nothing (and those at nearly full marks)
+FILTER = ["algorithm.online_filtering=true", "algorithm.filter_key=overall", "algorithm.filter_low=0.001"]
 PARTIAL_KEYS = ["rollout/partial_carried", "rollout/partial_dropped", "rollout/partial_generated",
                 "rollout/partial_in_flight", "rollout/partial_continued", "rollout/staleness_mean",
                 "rollout/staleness_max", "rollout/off_policy_share"]  # fmt: skip
@@ -192,8 +194,7 @@ def test_partial_rollouts_with_dynamic_sampling_resume_exactly(tiny_model_dir, t
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
     out = tmp_path / "run"
-    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=4", "trainer.save_freq=2", *PARTIAL,
-                    "algorithm.online_filtering=true", "algorithm.filter_key=overall", "algorithm.filter_low=0.001",
+    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=4", "trainer.save_freq=2", *PARTIAL, *FILTER,
                     engine="vllm")  # fmt: skip
     torchrun(2, *args)
     rows = metrics(out)

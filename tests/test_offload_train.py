@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from tests.launch import torchrun
-from tests.test_checkpoint import DETERMINISTIC_KEYS, PARTIAL, PARTIAL_KEYS, metrics, run_args
+from tests.test_checkpoint import DETERMINISTIC_KEYS, FILTER, PARTIAL, PARTIAL_KEYS, metrics, run_args
 from tests.test_vllm import first_and_last, toy_run
 
 OFFLOAD = ["actor.offload_params=true", "actor.offload_optimizer=true"]
@@ -17,8 +17,7 @@ BF16_OFFLOAD = ["actor.master_dtype=bf16", *OFFLOAD]
 # cut (36 is no multiple of the 8 answers of a group), and answers are in flight at the step-17 checkpoint. Dynamic
 # sampling too: its filter drops the groups that score nothing (early on) or nearly full marks (at the end), and
 # those steps take a second round
-PARTIAL_TP = [*PARTIAL, "rollout.max_num_seqs=36", "algorithm.online_filtering=true", "algorithm.filter_key=overall",
-              "algorithm.filter_low=0.001"]  # fmt: skip
+PARTIAL_TP = [*PARTIAL, "rollout.max_num_seqs=36", *FILTER]
 
 
 @pytest.fixture(scope="module")
