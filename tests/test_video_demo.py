@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.launch import torchrun
+from tests.test_checkpoint import PARTIAL
 from tests.test_mixed_data import PADDED
 from tests.test_vision_demo import assert_demo_learns
 
@@ -49,13 +50,19 @@ def test_video_count_task_hides_the_answer_from_the_text(tmp_path):
     assert len(places) > 8
 
 
+# Partial rollouts (tests/test_checkpoint.py) stopped mid-answer at step 1 and continued at step 2 (validation, never
+# partial, still runs the engine's generate of whole answers): answers of up to 16 tokens, of which the engine decodes
+# 12 at a time, so that answers start at different times and a rank's quota is met while some are half done
+MIDWAY = [*PARTIAL, "data.max_response_length=16", "rollout.max_num_seqs=12"]
+
+
 @pytest.mark.parametrize(
     "family, overrides",
     [
         ("qwen2_5_vl", []),  # vLLM, packed, shared prefixes, token budgets, rank balancing
-        ("qwen2_5_vl", [*PADDED, "data.shuffle=false"]),  # vLLM, padded, unshuffled halves
+        ("qwen2_5_vl", [*PADDED, "data.shuffle=false", *MIDWAY]),  # vLLM, padded, unshuffled halves, partial
         ("qwen2_5_vl", ["rollout.engine=hf", "rollout.max_num_seqs=4", "data.shuffle=false"]),  # FSDP2 generate
-        ("qwen3_vl", []),  # timestamps in the prompt, deepstack features split between images and videos
+        ("qwen3_vl", MIDWAY),  # timestamps in the prompt, deepstack features split between images and videos, partial
     ],
 )
 def test_mixed_image_video_and_text_rows_train_on_two_ranks(tiny_family_dir, tmp_path, family, overrides):
@@ -63,7 +70,10 @@ def test_mixed_image_video_and_text_rows_train_on_two_ranks(tiny_family_dir, tmp
     both, or neither in one dataset (strided so each rank gets every kind; unshuffled, rank 1's micro-batches and
     generate calls hold other media than rank 0's), through vLLM or the HF engine, packing or padding, shared
     prefixes and the vision tower's one pass per forward. The runs must finish, and with vLLM its log-probs must be
-    the trainer's in the training loop itself (fp32 on both sides: 9.5e-7 seen, 1e-4 asserted)."""
+    the trainer's in the training loop itself (fp32 on both sides: 9.5e-7 seen, 1e-4 asserted). With partial
+    rollouts, answers stopped at step 1 are continued at step 2 from prompt, media and their tokens: vLLM must see
+    the trainer's prompt (rollout.generate_until checks it token for token) and the tokens they add must have the
+    trainer's log-probs to the same bound."""
     from scripts.make_synthetic_data import make_mixed_media
 
     train = make_mixed_media(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
@@ -80,3 +90,5 @@ def test_mixed_image_video_and_text_rows_train_on_two_ranks(tiny_family_dir, tmp
     assert "val/accuracy" in rows[-1]
     if "rollout.engine=hf" not in overrides:
         assert all(r["rollout/logprob_diff_max"] <= 1e-4 for r in rows if r["step"] > 0), rows
+    if PARTIAL[0] in overrides:  # (a rank mean: answers stopped at step 1 on some rank went on at step 2)
+        assert rows[-1]["rollout/partial_continued"] > 0, rows
