@@ -355,6 +355,7 @@ class VLLMEngine:
         # the trainer computes in bf16 on GPU, fp32 on CPU (where a family's CPU kernels may need another dtype)
         self.dtype = torch.bfloat16 if on_cuda else family.vllm_cpu_dtype
         self.cpu_moe = family.moe and not on_cuda
+        self.torch_linear = not on_cuda and self.dtype == torch.float32  # (vllm_compat.torch_cpu_linear)
         if self.dtype != torch.float32 and not on_cuda and rank == 0:
             print(f"rollout: vLLM's CPU kernels for this model need {self.dtype}: the engine samples in it, the "
                   "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
@@ -400,7 +401,7 @@ class VLLMEngine:
         # imports made: 1.3 s of a CPU start. Frozen now, the heap is left out of them; it ends up frozen all the
         # same. (Without a collection first: that would cost one of the five, to free some 40 objects.)
         gc.freeze()
-        with filtered_stderr(quiet):  # (its C++ NUMA note: quiet.PRINTED)
+        with filtered_stderr(quiet), vllm_compat.torch_cpu_linear(self.torch_linear):  # (NUMA note: quiet.PRINTED)
             self.llm = LLM(
                 model=cfg.actor.model_path,
                 dtype=self.dtype,
@@ -505,7 +506,8 @@ class VLLMEngine:
         # a layer that gets nothing keeps its tensors and must keep its kernel)
         if self.cpu_moe and any(moe.EXPERT_PARAM.match(name) for name, _, _ in params):
             self.llm.apply_model(vllm_compat.forget_cpu_moe_kernels)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        with vllm_compat.torch_cpu_linear(self.torch_linear):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
         self.synced = True
         # Cached KV and vision-encoder outputs belong to the old weights. reload_weights empties the runner's encoder
         # cache but not the scheduler's record of it, which then skips re-encoding ("Encoder cache miss"): reset both.

@@ -5,6 +5,7 @@ built for torch 2.11). Every choice comes from what the installed vLLM has (a fi
 importable package), not from its version string, so a patched or back-ported build still gets the right branch.
 """
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -59,6 +60,30 @@ def shut_down(llm, collect: bool = True) -> None:
         llm.llm_engine.engine_core.engine_core.shutdown()
     finally:
         gc.collect = collect_garbage
+
+
+@contextlib.contextmanager
+def torch_cpu_linear(on: bool):
+    """While it is open, vLLM's CPU build sets up the unquantized linear layers it processes (at the engine's load
+    and at each reload_weights) with torch's own matmul, its fallback, instead of a oneDNN handler (0.26 to 0.33:
+    model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, taken while vllm._custom_ops._supports_onednn).
+    A handler prepacks the weights and builds a matmul primitive for each batch size it meets (at most 32 kept), and
+    a reload builds every handler again: this trainer reloads at every step, so every rollout paid the primitives
+    anew at each batch size its decode steps went through, 0.1-0.3 ms a layer each, and more in a rollout whose
+    batches are large and change size often (the partial rollout's), and every sync repacked each weight. torch's
+    matmul keeps the weights as loaded and builds nothing. Only with `on` (an fp32 engine on CPU: the matmul the
+    trainer itself computes with); otherwise, and on CUDA, nothing is touched."""
+    import vllm._custom_ops as ops
+
+    before = getattr(ops, "_supports_onednn", None)
+    if not on or before is None:
+        yield
+        return
+    ops._supports_onednn = False
+    try:
+        yield
+    finally:
+        ops._supports_onednn = before
 
 
 def forget_cpu_moe_kernels(model) -> int:

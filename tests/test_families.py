@@ -239,10 +239,14 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
     at a time (per-expert tensors, from the rank that holds each), never as a gathered 3-D parameter, and land in the
     right experts: a transposed or misplaced expert moves the log-probs by far more than the bounds. An MoE engine
     must pick the trainer's experts for the same token (ROUTING_BOUNDS), and, for the measure to mean anything, most
-    of its picks must differ from the perturbed trainer's before the sync."""
+    of its picks must differ from the perturbed trainer's before the sync. An fp32 engine keeps its linear layers'
+    weights for torch's matmul (vllm_compat.torch_cpu_linear)."""
     family, ranks = vllm_run
     text_bound, image_bound = VLLM_BOUNDS[family]
+    fp32 = models.FAMILIES[family].vllm_cpu_dtype == torch.float32
     for rank in ranks:
+        layers, packed = rank["linear_kernels_after_sync"]
+        assert layers >= 10 and (packed == 0 or not fp32), (layers, packed)
         if family.endswith("_moe"):  # 2 layers x 4 experts x (gate, up, down)
             assert (rank["synced_per_expert"], rank["synced_fused_experts"]) == (2 * 4 * 3, 0)
         else:

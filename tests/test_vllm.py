@@ -55,6 +55,17 @@ def test_synced_engine_logprobs_equal_the_trainers(tp1):
         assert rank["diff_video"] <= 0.05, rank["diff_video"]  # the image bound; measured 1.4e-6
 
 
+def test_the_engine_keeps_its_linear_weights_for_torchs_matmul(tp1, tp2):
+    """Guards against vLLM's CPU build packing the fp32 engine's weights into oneDNN handlers (see
+    vllm_compat.torch_cpu_linear): every weight sync builds them again, and each rollout then builds a matmul for each
+    batch size anew. After the engine's load and after a sync, which sets every layer up again, each linear layer
+    keeps its weights and computes with torch's matmul, as the trainer does."""
+    for rank in tp1 + tp2:
+        for key in ("linear_kernels_at_start", "linear_kernels_after_sync"):
+            layers, packed = rank[key]
+            assert layers >= 10 and packed == 0, (key, layers, packed)
+
+
 def test_the_engines_image_cache_is_capped(tp1):
     """Guards against vLLM's default cache of processed images, up to 4 GiB of host memory per rank that epochs of
     images or a tool run's crops fill: the engine gets rollout.mm_cache_gb, which the memory plan counts."""

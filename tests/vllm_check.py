@@ -200,6 +200,14 @@ def check_expert_adapters(cfg, engine, model_dir, device, prompts, ids, params, 
         result[f"experts/over_{kind}"] = max_logprob_diff(model, batch, samples, ids, 1.0, over=0.05)
 
 
+def linear_kernels(model) -> list[int]:
+    """The engine's linear layers that vLLM's CPU build set up (a `cpu_linear`), and how many of them hold no weight
+    of their own: packed away by a oneDNN handler rather than kept for torch's matmul (vllm_compat.torch_cpu_linear).
+    Run on the engine's model (LLM.apply_model)."""
+    layers = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    return [len(layers), sum(m.weight.numel() == 0 for m in layers)]
+
+
 def main():
     model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with_lora = sys.argv[4:] == ["lora"]
@@ -248,10 +256,12 @@ def main():
     if moe_run:  # one answer a prompt: the engine reads each sequence in a request of its own
         result["routing_before_sync"] = routing.agreement(engine, model, image, samples[::2], pad_id)
 
+    result["linear_kernels_at_start"] = engine.llm.apply_model(linear_kernels)[0]
     engine.wake()
     first = []
     record_synced_names(engine, first)
     engine.sync_weights(model)
+    result["linear_kernels_after_sync"] = engine.llm.apply_model(linear_kernels)[0]  # (the sync sets them up again)
     # the cap of its cache of processed images, rollout.mm_cache_gb, reached vLLM (its own default is 4 GiB a rank)
     result["mm_cache_gb"] = engine.llm.llm_engine.vllm_config.model_config.multimodal_config.mm_processor_cache_gb
     # an MoE's experts go one expert at a time, in the per-expert names, never as a whole gathered parameter
