@@ -73,10 +73,13 @@ def torch_cpu_linear(on: bool):
     batches are large and change size often (the partial rollout's), and every sync repacked each weight. torch's
     matmul keeps the weights as loaded and builds nothing. Only with `on` (an fp32 engine on CPU: the matmul the
     trainer itself computes with); otherwise, and on CUDA, nothing is touched."""
+    if not on:
+        yield
+        return
     import vllm._custom_ops as ops
 
     before = getattr(ops, "_supports_onednn", None)
-    if not on or before is None:
+    if before is None:  # (no such switch in this build: its layers are as vLLM sets them up)
         yield
         return
     ops._supports_onednn = False

@@ -5,6 +5,7 @@ a stand-in with the other release's exact signature or attribute, read in its so
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import os
 import weakref
@@ -346,3 +347,21 @@ def test_video_metadata_is_not_resent_for_families_whose_parser_keeps_it(monkeyp
         "transformers.AutoConfig.from_pretrained", lambda path: type("C", (), {"model_type": model_type})()
     )
     assert vllm_compat.clip_metadata_per_request("any") is False
+
+
+def test_torch_cpu_linear_turns_vllms_onednn_dispatch_off_for_its_span_only():
+    """Guards against the CPU engine's linear layers going back to oneDNN handlers unnoticed (the switch renamed in
+    vLLM's dispatch) and against the switch left off after the engine's load or a sync (another engine in the process,
+    a bf16 one, would lose vLLM's kernels): vLLM's dispatch reads it, and it is off inside the span only, an error
+    leaving the span included."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.layers import utils
+
+    assert "ops._supports_onednn" in inspect.getsource(utils.dispatch_cpu_unquantized_gemm)
+    before = ops._supports_onednn
+    with vllm_compat.torch_cpu_linear(False):
+        assert ops._supports_onednn == before
+    with pytest.raises(RuntimeError, match="reload failed"), vllm_compat.torch_cpu_linear(True):
+        assert ops._supports_onednn is False
+        raise RuntimeError("reload failed")
+    assert ops._supports_onednn == before
