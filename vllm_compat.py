@@ -69,7 +69,7 @@ def torch_cpu_linear(on: bool):
     model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, taken while vllm._custom_ops._supports_onednn).
     A handler prepacks the weights and builds a matmul primitive for each batch size it meets (at most 32 kept), and
     a reload builds every handler again: this trainer reloads at every step, so every rollout paid the primitives
-    anew at each batch size its decode steps went through, 0.1-0.3 ms a layer each, and more in a rollout whose
+    anew at each batch size its decode steps went through, 0.1-0.4 ms a layer each, and more in a rollout whose
     batches are large and change size often (the partial rollout's), and every sync repacked each weight. torch's
     matmul keeps the weights as loaded and builds nothing. Only with `on` (an fp32 engine on CPU: the matmul the
     trainer itself computes with); otherwise, and on CUDA, nothing is touched."""
