@@ -4,6 +4,10 @@ Used by test_train.py: the same rollout batch split over 1 or 2 ranks and into a
 the same update. The batch is synthetic but realistic: 4 prompts with images, 2 responses each of uneven lengths.
 
     torchrun --nproc_per_node=W tests/dist_update_check.py MODEL_DIR OUT.pt MICRO_BATCH LOSS_AGG_MODE [KEY=VALUE ...]
+        [--then KEY=VALUE ... [--then ...]]
+
+Each `--then` starts another step from the checkpoint's weights under the overrides that follow it (those alone):
+several settings in one launch, one file each (OUT.pt, then OUT.1.pt, OUT.2.pt, ...).
 
 The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a token budget the two ranks need
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
@@ -53,17 +57,30 @@ def main():
         models.add_vision_dummy = lambda model: None
 
     model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    rank, world, device = runtime.setup_distributed()
+    sets, rest = [], sys.argv[5:]
+    while "--then" in rest:
+        sets.append(rest[: rest.index("--then")])
+        rest = rest[rest.index("--then") + 1 :]
+    _, _, device = runtime.setup_distributed()
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    for i, overrides in enumerate([*sets, rest]):
+        stem, ext = os.path.splitext(out_path)
+        one_step(model_dir, out_path if i == 0 else f"{stem}.{i}{ext}", micro, mode, overrides, processor, device)
+    dist.destroy_process_group()
+
+
+def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
+    """One update_policy step from the checkpoint's weights with these overrides; rank 0 saves what it gives."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     # (the samples' engine log-probs are placeholder 0s, far from any model's: no mismatch guard)
     cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
                                         f"rollout.n={N}", f"actor.micro_batch_size={micro}",
                                         f"actor.loss_agg_mode={mode}", "actor.max_grad_norm=1e9",
                                         "algorithm.kl_coef=0.1", "data.max_prompt_length=128",
                                         "data.max_response_length=32", "algorithm.mismatch_guard=0",
-                                        *sys.argv[5:]])  # fmt: skip
+                                        *overrides])  # fmt: skip
     train_grpo.check_config(cfg, world)
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
@@ -105,7 +122,6 @@ def main():
     if rank == 0:
         torch.save({"state": state, "stats": stats, "micro_batches": counts}, out_path)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

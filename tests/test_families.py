@@ -335,11 +335,14 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     unsharded or untrained, a sync that silently fails (the engine keeps sampling from the initial model), packed
     positions or linear-attention state that make the trainer's log-probs of the samples wrong. The MoE run adds the
     experts' load-balancing loss, which must reach the update under FSDP2 and activation checkpointing and be logged
-    (at perfect balance it is top-k = 2; it cannot exceed the 4 experts)."""
+    (at perfect balance it is top-k = 2; it cannot exceed the 4 experts). With activation checkpointing, as the
+    family's recipe runs (the tiny configs leave it off): the recompute of linear attention and of the experts."""
     from tests.test_vllm import first_and_last, toy_run
 
     balance = ["actor.router_aux_loss_coef=1e-3"] if family.endswith("_moe") else []
-    rows = toy_run(tiny_family_dir(family), tmp_path, "trainer.val_freq=0", *balance)
+    rows = toy_run(
+        tiny_family_dir(family), tmp_path, "trainer.val_freq=0", "actor.gradient_checkpointing=true", *balance
+    )
     first, last = first_and_last(rows)
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)

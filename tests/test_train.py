@@ -9,11 +9,27 @@ import torch
 
 from tests.launch import torchrun
 
+# dist_update_check's results by their launch's arguments and the environment it reads: several tests compare with the
+# same one-rank step, and a launch's start costs far more than its step
+_DONE = {}
+
+
+def _updates(tiny_model_dir, tmp_path, world, micro, mode, *override_sets):
+    """dist_update_check's step under each set of overrides; those not run yet in one launch."""
+    env = tuple(os.environ.get(k, "") for k in ("EXTRA_EMPTY_MICRO_BATCH", "NO_VISION_DUMMY", "TEXT_ONLY"))
+    keys = [(tiny_model_dir, world, micro, mode, tuple(overrides), env) for overrides in override_sets]
+    todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
+    if todo:
+        out = tmp_path / f"w{world}_m{micro}_{mode}_{len(_DONE)}.pt"
+        args = [a for i, k in enumerate(todo) for a in ([] if i == 0 else ["--then"]) + list(k[4])]
+        torchrun(world, "tests/dist_update_check.py", tiny_model_dir, str(out), str(micro), mode, *args)
+        for i, k in enumerate(todo):
+            _DONE[k] = torch.load(out if i == 0 else out.with_name(f"{out.stem}.{i}.pt"))
+    return [_DONE[k] for k in keys]
+
 
 def _update(tiny_model_dir, tmp_path, world, micro, mode, *overrides):
-    out = tmp_path / f"w{world}_m{micro}_{mode}_{'_'.join(overrides)}.pt"
-    torchrun(world, "tests/dist_update_check.py", tiny_model_dir, str(out), str(micro), mode, *overrides)
-    return torch.load(out)
+    return _updates(tiny_model_dir, tmp_path, world, micro, mode, overrides)[0]
 
 
 def _assert_same_weights(a, b):
@@ -45,10 +61,11 @@ def test_token_budget_micro_batches_keep_the_update_and_agree_over_ranks(tiny_mo
     still be the same: a sequence lost, doubled, or moved without its advantage or reference log-probs changes it."""
     full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
     budget = ["actor.max_tokens_per_micro_batch=160", "actor.shared_prefix=false"]
-    fixed = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *budget, "actor.balance_ranks=false")
+    fixed, balanced = _updates(
+        tiny_model_dir, tmp_path, 2, 1, "token-mean", [*budget, "actor.balance_ranks=false"], budget
+    )
     assert fixed["micro_batches"] == [4.0, 4.0] and fixed["stats"]["actor/moved_sequences"] == 0
     _assert_same_weights(full, fixed)
-    balanced = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", *budget)
     assert balanced["stats"]["actor/moved_sequences"] >= 1
     assert balanced["micro_batches"][0] == balanced["micro_batches"][1]
     _assert_same_weights(full, balanced)
@@ -60,9 +77,9 @@ def test_shared_prefix_keeps_the_update_over_ranks(tiny_model_dir, tmp_path):
     their siblings -- the weights must equal one rank's padded step, in fewer micro-batches than unshared."""
     full = _update(tiny_model_dir, tmp_path, 1, 8, "token-mean", "actor.padding_free=false")
     budget = "actor.max_tokens_per_micro_batch=160"
-    unshared = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", budget, "actor.shared_prefix=false")
-    for balance in ("false", "true"):
-        shared = _update(tiny_model_dir, tmp_path, 2, 1, "token-mean", budget, f"actor.balance_ranks={balance}")
+    sets = [[budget, "actor.shared_prefix=false"]] + [[budget, f"actor.balance_ranks={b}"] for b in ("false", "true")]
+    unshared, *shared_runs = _updates(tiny_model_dir, tmp_path, 2, 1, "token-mean", *sets)
+    for shared in shared_runs:
         assert shared["micro_batches"][0] == shared["micro_batches"][1]
         assert sum(shared["micro_batches"]) < sum(unshared["micro_batches"])
         _assert_same_weights(full, shared)
@@ -95,7 +112,8 @@ def digits(response, ground_truth, question, images):
 def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     """Guards against a loop that runs but does not learn: 2 ranks, HF rollout, FSDP2 over gloo, validation and the
     final export; the reward must rise, every loss be finite and every weight change. The reward returns a float and
-    takes the row's columns by keyword (a float once scored 0 on every answer, silently, to the end of the run)."""
+    takes the row's columns by keyword (a float once scored 0 on every answer, silently, to the end of the run).
+    With gradient checkpointing, which the tiny configs leave off and the recipes turn on."""
     from safetensors.torch import load_file
 
     from scripts.make_synthetic_data import make_geo3k_like
@@ -108,6 +126,7 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
         2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=20",
         "trainer.val_freq=10", "actor.lr=3e-3", f"reward.reward_fn={tmp_path / 'float_reward.py'}:digits",
+        "actor.gradient_checkpointing=true",
     )  # fmt: skip
     assert "step 20/20" in stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -175,8 +175,10 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
     """Guards against a vLLM loop that runs but does not learn (a sync that silently fails leaves the engine
     sampling from the initial model) or whose samples are not the trainer's (logprob_diff). With LoRA: against
     adapters that stop learning (a gradient lost after the reference forwards), later syncs that skip what changed,
-    and a final export that is not the merged model or has no adapter directory beside it."""
-    train_rows = toy_run(tiny_model_dir, tmp_path, "trainer.val_freq=10", *(LORA if lora else []))
+    and a final export that is not the merged model or has no adapter directory beside it, with gradient checkpointing
+    (off in the tiny configs, on in the recipes) recomputing the adapted layers."""
+    lora_args = [*LORA, "actor.gradient_checkpointing=true"] if lora else []
+    train_rows = toy_run(tiny_model_dir, tmp_path, "trainer.val_freq=10", *lora_args)
     for key in ("time/weight_sync", "time/wake", "time/sleep", "perf/rollout_tokens_per_s"):
         assert all(key in r for r in train_rows), key
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in train_rows)
