@@ -65,8 +65,8 @@ def main():
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    stem, ext = os.path.splitext(out_path)
     for i, overrides in enumerate([*sets, rest]):
-        stem, ext = os.path.splitext(out_path)
         one_step(model_dir, out_path if i == 0 else f"{stem}.{i}{ext}", micro, mode, overrides, processor, device)
     dist.destroy_process_group()
 
