@@ -64,6 +64,9 @@ import train_grpo  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
 
+# The environment this process started with: the comparison's fresh process gets it, not what the trainer's run set
+# since (vLLM's and the trainer's variables, the process group's)
+START_ENV = dict(os.environ)
 REAL_TOKENS, REAL_VOCAB = 151_665, 151_936  # Qwen2.5-VL's tokenizer size and embedding rows
 QWEN3_5_VOCAB = 248_320  # Qwen3.5's embedding rows (its tokenizer is padded to them here)
 # Dense bf16 peak of the GPUs this is likely to meet, TFLOP/s (vendor data sheets, without sparsity)
@@ -243,12 +246,26 @@ def dry_run(args):
 
 # the loop's phase functions, under the memory plan's names of the phases
 PHASES = {"rollout": "collect_rollouts", "log-probs": "compute_old_and_ref_logprobs", "update": "update_policy"}
+ENGINE_AWAKE = ("rollout",)  # the phases vLLM is awake through; it sleeps through the others
+
+
+def engine_pool_gib():
+    """GiB held by vLLM's sleep-mode pool (vllm.device_allocator.cumem.CuMemAllocator, 0.26 to 0.33: one
+    AllocationData a mapping, its handle (device, size, pointer, memory handle)). torch's allocator counts the pool's
+    blocks as allocated and reserved while vLLM sleeps, although sleep has handed their memory back to the device:
+    a phase vLLM sleeps through is the trainer's alone only with the pool taken out. 0 without the pool."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    pool = cumem.CuMemAllocator.instance if cumem is not None else None
+    if pool is None:
+        return 0.0
+    return sum(data.handle[1] for data in pool.pointer_to_data.values()) / 2**30
 
 
 def run_trainer(model_dir, data_dir, out_dir, args):
     """train_grpo.main, one rank in this process; returns the metrics of each step and the peak GPU memory (GiB,
-    torch's allocator) of each phase, over the steps, to set beside the plan's phases."""
-    peaks = dict.fromkeys(PHASES, 0.0)
+    torch's allocator; vLLM's pool left out of the phases it sleeps through) of each phase, over the steps, to set
+    beside the plan's phases."""
+    peaks, pool = dict.fromkeys(PHASES, 0.0), [0.0]
 
     def measured(phase, fn):
         def wrapper(*a, **kw):
@@ -256,7 +273,9 @@ def run_trainer(model_dir, data_dir, out_dir, args):
             try:
                 return fn(*a, **kw)
             finally:
-                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() / 2**30)
+                pool[0] = max(pool[0], engine_pool_gib())
+                asleep = 0.0 if phase in ENGINE_AWAKE else pool[0]
+                peaks[phase] = max(peaks[phase], torch.cuda.max_memory_allocated() / 2**30 - asleep)
 
         return wrapper
 
@@ -274,7 +293,15 @@ def run_trainer(model_dir, data_dir, out_dir, args):
     if code != 0:
         raise SystemExit(f"the trainer exited with {code}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f], peaks, sleeps
+        return [json.loads(line) for line in f], peaks, sleeps, pool[0]
+
+
+def phase_memory(measured, planned, pool_gib):
+    """The per-phase line: measured / planned GiB of each phase the plan has ("-" where none was measured: the weight
+    sync runs inside no phase of its own)."""
+    pairs = (f"{k} {measured[k]:.1f} / {v:.1f}" if k in measured else f"{k} - / {v:.1f}" for k, v in planned.items())
+    pool = f" (vLLM's sleep pool, {pool_gib:.1f} GiB, left out of the phases it sleeps through)" if pool_gib else ""
+    return "per phase, measured / planned: " + ", ".join(pairs) + pool
 
 
 def free_around(record, fn, *args):
@@ -440,16 +467,22 @@ def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
 
 
 def engine_vs_trainer_process(model_dir, data_dir, args):
-    """engine_vs_trainer in a fresh process (this one's vLLM engine ran the trainer's rollouts); {} if it failed."""
+    """engine_vs_trainer in a fresh process (this one's vLLM engine ran the trainer's rollouts), with the environment
+    this one started with; {} if it failed, with how it ended and the device's free memory at its start."""
+    import signal
     import subprocess
 
     # an MoE's routing is read by module hooks, which CUDA graphs and torch.compile's graphs do not run: eager there
     eager = args.enforce_eager or models.family_of(model_dir).moe
     cmd = [sys.executable, os.path.abspath(__file__), "--engine-vs-trainer", model_dir, data_dir, "--response-tokens",
            str(args.response_tokens), *(["--enforce-eager"] if eager else [])]  # fmt: skip
-    env = {**os.environ, "MASTER_PORT": str(int(os.environ.get("MASTER_PORT", "29500")) + 7)}
-    if subprocess.run(cmd, env=env).returncode != 0:
-        print("engine vs trainer comparison failed (its output is above)")
+    env = {**START_ENV, "MASTER_PORT": str(int(os.environ.get("MASTER_PORT", "29500")) + 7)}
+    free, total = (x / 2**30 for x in torch.cuda.mem_get_info()) if torch.cuda.is_available() else (0.0, 0.0)
+    code = subprocess.run(cmd, env=env).returncode
+    if code != 0:
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        print(f"engine vs trainer comparison failed ({how}; its output is above; the device had {free:.1f} of "
+              f"{total:.1f} GiB free when it started)")  # fmt: skip
         return {}
     with open(os.path.join(data_dir, "engine_vs_trainer.json")) as f:
         return json.load(f)
@@ -521,9 +554,9 @@ def main(argv=None):
         shape = SHAPES[args.family][1]
         print(f"a random {n_params / 1e9:.2f} B-parameter {shape} ready in {time.perf_counter() - t0:.0f}s")
         torch.cuda.reset_peak_memory_stats()
-        steps, measured, sleeps = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
+        steps, measured, sleeps, pool_gib = run_trainer(model_dir, data_dir, os.path.join(tmp, "run"), args)
         peak_gib = max(measured.values())
-        reserved_gib = torch.cuda.max_memory_reserved() / 2**30
+        reserved_gib = torch.cuda.max_memory_reserved() / 2**30 - pool_gib  # (from the last update on)
         gc.collect()  # the run's model, optimizer and engine, before the comparisons load their own
         torch.cuda.empty_cache()
         left_gib = torch.cuda.memory_allocated() / 2**30
@@ -572,6 +605,7 @@ def main(argv=None):
         "mfu_training_phases": flops / train_seconds / (peak * 1e12) if peak else None,
         "peak_gpu_memory_gib": peak_gib,
         "peak_gpu_memory_reserved_gib": reserved_gib,
+        "engine_pool_gib": pool_gib,
         "planned_gib_per_phase": phases,
         "measured_gib_per_phase": measured,
         "planned_peak_gib": planned,
@@ -600,8 +634,7 @@ def main(argv=None):
         f"{med['time/rollout']:.1f}s, ref log-probs {med['time/logprobs']:.1f}s, update {med['time/train']:.1f}s)\n"
         f"  MFU of the training phases {mfu}\n"
         f"  peak GPU memory (torch allocator) {peak_gib:.1f} GiB, plan {planned:.1f} GiB "
-        f"({result['peak_vs_plan']:+.0%}); per phase, measured / planned: "
-        + ", ".join(f"{k} {measured[k]:.1f} / {v:.1f}" for k, v in phases.items())
+        f"({result['peak_vs_plan']:+.0%}); {phase_memory(measured, phases, pool_gib)}"
     )
     if args.engine == "vllm":
         graphs = "CUDA graphs " + ("on" if result["cuda_graphs"] else "off")
@@ -636,4 +669,18 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Ended as the trainer's ranks end (runtime.exit_rank), not through the interpreter's teardown, which can wait
+    # for ever on what vLLM's engine and the process group leave behind: a check that failed must still end.
+    import traceback
+
+    try:
+        status = main()
+    except SystemExit as stop:  # a message (the run does not fit, no GPU) or an exit code
+        status = stop.code
+        if isinstance(status, str):
+            print(status, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    __import__("runtime").exit_rank(status or 0)

@@ -216,3 +216,31 @@ def test_gpu_check_engine_vs_trainer_runs_on_cpu(tiny_model_dir, tmp_path):
     assert result["dtype"] == "float32"
     assert result["text"]["max"] <= 1e-4 and result["image"]["max"] <= 0.05, result
     assert result["text"]["tokens"] > 0 and result["image"]["tokens"] > 0
+
+
+def test_gpu_check_leaves_vllms_sleeping_pool_out_of_the_trainers_phases(monkeypatch):
+    """Guards against the per-phase peaks counting vLLM's sleep-mode pool: torch's allocator keeps its blocks as
+    allocated while vLLM sleeps (an H100's update phase read 81.2 GiB, more than the device has). The stand-in has
+    the exact structure of vLLM's CuMemAllocator (0.26 to 0.33): a class attribute `instance`, `pointer_to_data`
+    mapping a pointer to vllm.device_allocator.AllocationData, whose handle is (device, size, pointer, handle)."""
+    import sys
+    import types
+
+    from vllm.device_allocator import AllocationData
+
+    gpu_check = load_gpu_check()
+    cumem = types.ModuleType("vllm.device_allocator.cumem")
+    cumem.CuMemAllocator = type("CuMemAllocator", (), {"instance": None})
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    assert gpu_check.engine_pool_gib() == 0.0  # no engine with sleep mode in this process
+    pool = cumem.CuMemAllocator()
+    pool.pointer_to_data = {
+        ptr: AllocationData((0, size, ptr, 0), tag)
+        for ptr, size, tag in ((1 << 30, 7 << 30, "weights"), (9 << 30, (35 << 29), "kv_cache"))
+    }
+    cumem.CuMemAllocator.instance = pool
+    assert gpu_check.engine_pool_gib() == 24.5
+    monkeypatch.delitem(sys.modules, "vllm.device_allocator.cumem")
+    assert gpu_check.engine_pool_gib() == 0.0  # vLLM's allocator never imported
+    line = gpu_check.phase_memory({"update": 65.4, "rollout": 61.0}, {"update": 65.4, "weight sync": 54.1}, 15.9)
+    assert "update 65.4 / 65.4" in line and "weight sync - / 54.1" in line and "15.9 GiB" in line
