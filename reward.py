@@ -11,6 +11,7 @@ Rewards for GRPO on Geometry3K, and a scorer that runs any reward function with 
 """
 
 import atexit
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -395,13 +396,35 @@ def _worker_main(conn, fn_spec: str) -> None:
             conn.send(("error", _describe(e)))
 
 
+@contextlib.contextmanager
+def _main_script_left_out():
+    """spawn runs the parent's main script again in each child (as __mp_main__), so that what the child unpickles by
+    reference from it resolves. A worker's target and arguments live in this module and the standard library, and
+    the trainer's script would cost each worker start the import of torch and FSDP (seconds of CPU, for every rank
+    and every restart after a timeout) for nothing: the child is told of no main script (multiprocessing.spawn's
+    get_preparation_data reads __main__'s __spec__ and __file__ while start() runs)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {key: main.__dict__[key] for key in ("__spec__", "__file__") if key in main.__dict__}
+    main.__spec__, main.__file__ = None, None
+    try:
+        yield
+    finally:
+        for key in ("__spec__", "__file__"):
+            main.__dict__.pop(key, None)
+        main.__dict__.update(saved)
+
+
 class _Worker:
     """One grading process, the pipe to it, and the item it is grading (index, deadline)."""
 
     def __init__(self, ctx, fn_spec: str, main=_worker_main):
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=main, args=(child_conn, fn_spec), daemon=True)
-        self.proc.start()
+        with _main_script_left_out():
+            self.proc.start()
         child_conn.close()  # keep only the child's copy, so its exit shows up here as EOF
         self.ready = False
         self.index = None

@@ -199,6 +199,36 @@ def test_workers_match_direct_path_in_order():
     assert not any(proc.is_alive() for proc in workers)  # the context manager leaves no orphan processes
 
 
+MAIN_SCRIPT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+if __name__ == "__mp_main__":  # spawn's re-run of this script in a child
+    open(sys.argv[2], "a").write("imported")
+if __name__ == "__main__":
+    import reward
+    with reward.RewardScorer("reward.py:digit_fraction", timeout=30.0, num_workers=2) as scorer:
+        print(scorer.score(["1 2 3", "7"], ["3", "3"]))
+    print(__spec__, __file__ == sys.argv[0])
+"""
+
+
+def test_workers_start_without_the_trainers_main_script(tmp_path):
+    """Guards against each grading worker importing the trainer's script again (spawn runs the parent's main
+    script in the child): seconds of torch and FSDP imports at every worker start, on every rank. The workers still
+    grade, and the script's own __spec__ and __file__ are as they were."""
+    import subprocess
+
+    script, marker = tmp_path / "main_script.py", tmp_path / "imported"
+    script.write_text(MAIN_SCRIPT)
+    repo = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, str(script), repo, str(marker)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    scores, main_state = out.stdout.splitlines()
+    assert __import__("ast").literal_eval(scores) == [digit_fraction("1 2 3", "3"), digit_fraction("7", "3")]
+    assert main_state == "None True"
+    assert not marker.exists()
+
+
 USER_REWARD = """
 import os
 
