@@ -236,19 +236,26 @@ def failed_rank() -> str | None:
 
 def run_rank(main):
     """A rank's whole life: `exit_rank(main())`, with a Stop said once (report_stop) and ended with its code, no
-    traceback (trainer.verbose adds one). A SystemExit with a message counts as a Stop of every rank. Any other
-    exception is a fault of the code or a library and ends the rank through sys.excepthook (report_failure), with
-    its traceback and the phase the rank was in."""
+    traceback (trainer.verbose adds one). A SystemExit with a message counts as a Stop of every rank; sys.exit(n)
+    ends with n. Any other exception is a fault of the code or a library: sys.excepthook (report_failure) prints its
+    traceback and the phase the rank was in, and the rank ends with 1. Every way out goes through exit_rank, a fault
+    too: the interpreter's own teardown waits for every thread that is not a daemon and for what vLLM and NCCL
+    leave behind, and a rank that crashed must end, not hang until its peers' collectives time out (a GPU check
+    that raised after its run waited there until it was killed)."""
     try:
         code = main()
     except SystemExit as stop:
-        if not isinstance(stop.code, str):
-            raise  # sys.exit(n): an exit code, not a message
-        every_rank = getattr(stop, "every_rank", True)
-        if _verbose and (rank() == 0 or not every_rank):
-            traceback.print_exc()
-        report_stop(stop.code, every_rank)
-        code = getattr(stop, "exit_code", 1)
+        if isinstance(stop.code, str):
+            every_rank = getattr(stop, "every_rank", True)
+            if _verbose and (rank() == 0 or not every_rank):
+                traceback.print_exc()
+            report_stop(stop.code, every_rank)
+            code = getattr(stop, "exit_code", 1)
+        else:  # sys.exit(n) or sys.exit(): an exit code, not a message
+            code = stop.code or 0
+    except BaseException:  # a fault
+        sys.excepthook(*sys.exc_info())
+        code = 1
     exit_rank(code)
 
 

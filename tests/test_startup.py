@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -326,11 +327,33 @@ def test_a_stop_is_said_once_by_rank_0_without_a_traceback(monkeypatch, capsys):
     assert run(0, SystemExit("error: a plain one")) == (1, "error: a plain one\n")
     assert run(1, SystemExit("error: a plain one")) == (1, "")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(SystemExit) as exit_code:
-        runtime.run_rank(lambda: sys.exit(4))
-    with pytest.raises(ValueError):
-        runtime.run_rank(lambda: int("a bug"))
-    assert exit_code.value.code == 4 and len(codes) == 5
+    assert run(0, SystemExit(4)) == (4, "")
+    assert run(0, SystemExit()) == (0, "")
+    hooked = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: hooked.append(exc[0]))
+    assert run(0, ValueError("a bug")) == (1, "")  # the excepthook says it (report_failure: traceback and phase)
+    assert hooked == [ValueError] and len(codes) == 8
+
+
+def test_a_rank_that_crashed_ends_while_a_thread_lives_on():
+    """Guards against a crashed rank hanging instead of ending: the interpreter's teardown waits for every thread
+    that is not a daemon (a library's worker), so a fault left to it can keep the rank alive until its peers'
+    collectives time out. run_rank must print the fault (traceback, the phase) and end with 1 at once."""
+    code = (
+        "import sys, threading, time, runtime\n"
+        "sys.excepthook = runtime.report_failure(sys.excepthook, 60)\n"
+        "def main():\n"
+        "    threading.Thread(target=time.sleep, args=(300,)).start()  # not a daemon\n"
+        "    runtime.phase('rollout')\n"
+        "    raise ValueError('a bug')\n"
+        "runtime.run_rank(main)\n"
+    )
+    start = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - start < 60  # not the thread's 300 s
+    assert "ValueError: a bug" in proc.stderr and "rank ?: failed in phase 'rollout'" in proc.stderr, proc.stderr
 
 
 def test_a_rank_that_lost_a_peer_says_so_in_one_line(monkeypatch, capsys):
