@@ -669,18 +669,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # Ended as the trainer's ranks end (runtime.exit_rank), not through the interpreter's teardown, which can wait
+    # Ended as the trainer's ranks end (runtime.run_rank), not through the interpreter's teardown, which can wait
     # for ever on what vLLM's engine and the process group leave behind: a check that failed must still end.
-    import traceback
-
-    try:
-        status = main()
-    except SystemExit as stop:  # a message (the run does not fit, no GPU) or an exit code
-        status = stop.code
-        if isinstance(status, str):
-            print(status, file=sys.stderr)
-            status = 1
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    __import__("runtime").exit_rank(status or 0)
+    __import__("runtime").run_rank(main)
