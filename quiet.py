@@ -25,6 +25,8 @@ LOGGED = [
     # at the engine's start on CPU (vLLM's CPU build, the demo and the tests)
     ("vllm.triton_utils.importing", "doesn't include CPU backend",
      "PyPI's torch brings Triton without its CPU backend; vLLM's CPU build runs its own kernels instead"),
+    ("vllm.triton_utils.importing", "`triton.backends` could not be imported",
+     "vLLM 0.26's CPU build says the same where PyPI's Triton lacks its backends module: it runs without Triton"),
     ("vllm.platforms.cpu", "triton-cpu is expected",
      "the same: the CPU kernels vLLM ships need no Triton"),
     ("vllm.config.vllm", "Model Runner V2 requires Triton",
@@ -45,6 +47,10 @@ LOGGED = [
      "the same eager mode, seen from the compiler's side"),
     ("vllm.v1.worker.cpu_worker", "is not found in LD_PRELOAD",
      "vLLM's CPU performance tip (tcmalloc, Intel OpenMP): the CPU runs are the demo and the tests, not production"),
+    # at the engine's start on any device, vLLM 0.26 with transformers 5.17 to 5.19
+    ("transformers.models.auto.image_processing_auto", "The `use_fast` parameter is deprecated",
+     "vLLM 0.26 asks for Qwen-VL's fast image processor with the old flag, which transformers maps to the torchvision "
+     "backend: the one the trainer's processor resolves to without it, so both see the same pixels"),
     # at every weight sync
     ("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights",
      "the layer-wise reload names layers that received nothing to reload; they keep what they hold, and the "
