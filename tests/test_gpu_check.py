@@ -244,3 +244,27 @@ def test_gpu_check_leaves_vllms_sleeping_pool_out_of_the_trainers_phases(monkeyp
     assert gpu_check.engine_pool_gib() == 0.0  # vLLM's allocator never imported
     line = gpu_check.phase_memory({"update": 65.4, "rollout": 61.0}, {"update": 65.4, "weight sync": 54.1}, 15.9)
     assert "update 65.4 / 65.4" in line and "weight sync - / 54.1" in line and "15.9 GiB" in line
+
+
+def test_gpu_check_comparison_process_starts_clean_and_says_how_it_failed(monkeypatch, tmp_path, capsys):
+    """Guards against the comparison's fresh process inheriting what the trainer's run set in this one (on an H100
+    it died silently that way, and ran when started alone), and against a failure that does not say how it ended."""
+    import subprocess
+    import types
+
+    gpu_check = load_gpu_check()
+    calls = []
+
+    def run(cmd, env):
+        calls.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, -9)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(gpu_check.models, "family_of", lambda path: types.SimpleNamespace(moe=False))
+    monkeypatch.setenv("SET_BY_THE_RUN", "1")
+    args = types.SimpleNamespace(enforce_eager=False, response_tokens=64)
+    assert gpu_check.engine_vs_trainer_process(str(tmp_path), str(tmp_path), args) == {}
+    ((cmd, env),) = calls
+    assert "--engine-vs-trainer" in cmd and "--enforce-eager" not in cmd
+    assert "SET_BY_THE_RUN" not in env and env["MASTER_PORT"] != os.environ.get("MASTER_PORT", "29500")
+    assert "failed (killed by SIGKILL;" in capsys.readouterr().out
