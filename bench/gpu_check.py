@@ -6,6 +6,7 @@ and how fast is it?
     python bench/gpu_check.py --lora            # the same with rank-8 LoRA adapters
     python bench/gpu_check.py --enforce-eager   # vLLM without CUDA graphs (rollout.enforce_eager=true)
     python bench/gpu_check.py --set actor.ref_offload=true --set data.max_response_length=1024
+    python bench/gpu_check.py --config configs/geo3k_3b_1x40gb.yaml --gpu-memory-utilization 0.43  # the 40 GB recipe
     python bench/gpu_check.py --family qwen3_5 --lora  # Qwen3.5-9B's shape: linear attention through fla's kernel
     python bench/gpu_check.py --family qwen3_vl_moe --lora  # Qwen3-VL-30B-A3B's shape: one H200 (141 GiB)
 
@@ -201,7 +202,6 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
         f"data.max_response_length={args.response_tokens}", "data.max_prompt_length=2048",
         f"rollout.engine={args.engine}", "rollout.tensor_parallel_size=1",
         f"rollout.enforce_eager={str(args.enforce_eager).lower()}",
-        f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
         f"rollout.max_num_seqs={args.prompts * args.n}",
         "reward.reward_fn=reward.py:digit_fraction", "reward.num_workers=2",
         f"actor.ref_offload={str(args.ref_offload).lower()}", f"trainer.max_steps={args.steps}",
@@ -212,8 +212,15 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
     ]  # fmt: skip
     # LoRA's default targets are the decoder's projections: the tower is frozen with the rest of the base. Full
     # fine-tuning of all 3.75 B parameters (fp32 masters and AdamW: 56 GiB) leaves too little of 80 GiB for the
-    # rest, so the tower is frozen there too
-    overrides += ["actor.lora_rank=8", "actor.lora_alpha=16"] if args.lora else ["actor.freeze_vision_tower=true"]
+    # rest, so the tower is frozen there too. A --config recipe keeps its own precision, offloading, tower and vLLM
+    # share (unless --gpu-memory-utilization is given)
+    lora = ["actor.lora_rank=8", "actor.lora_alpha=16"] if args.lora else []
+    if args.config:
+        given = args.gpu_memory_utilization_given
+        return [args.config, *overrides, *([f"rollout.gpu_memory_utilization={given}"] if given else []), *lora,
+                *args.set]  # fmt: skip
+    overrides.append(f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}")
+    overrides += lora or ["actor.freeze_vision_tower=true"]
     return [os.path.join(REPO, SHAPES[args.family][2]), *overrides, *args.set]
 
 
@@ -228,19 +235,28 @@ def memory_plan(argv):
     return cfg, plan, format_plan(plan), plan_problem(plan)
 
 
+def training_mode(cfg):
+    """What the run trains, and how: as the summary and the dry run say it."""
+    actor = cfg.actor
+    if actor.lora_rank:
+        return f"LoRA rank {actor.lora_rank}"
+    offload = ", offloaded while vLLM generates" if actor.offload_params else ""
+    tower = "frozen" if actor.freeze_vision_tower else "trained"
+    return f"full fine-tuning with {actor.master_dtype} masters{offload}, the vision tower {tower}"
+
+
 def dry_run(args):
     """Print the plan of exactly the run main() would make, on the GPU it would assume; 0 when it fits."""
     with tempfile.TemporaryDirectory() as tmp:
         write_config_only(tmp, args.family)
         argv = trainer_argv(tmp, tmp, os.path.join(tmp, "run"), args)
-        _, _, text, problem = memory_plan(argv)
+        cfg, _, text, problem = memory_plan(argv)
     print("gpu check, dry run: " + " ".join(a for a in argv[1:] if not a.startswith(("actor.model_path", "data.tr"))))
     print(text)
     if problem:
         print(f"does not fit: {problem}")
         return 1
-    what = "LoRA rank 8" if args.lora else "full fine-tuning with fp32 masters, the vision tower frozen"
-    print(f"fits one GPU ({SHAPES[args.family][1]}, {what})")
+    print(f"fits one GPU ({SHAPES[args.family][1]}, {training_mode(cfg)})")
     return 0
 
 
@@ -511,6 +527,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-comparisons", action="store_true", help="the run only: no packed/tower checks")
     parser.add_argument("--model-dir", default="", help="build the model here, or reuse the one built there")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (default: known)")
+    recipe = "a recipe of the family's shape instead of its geo3k one (its precision, offload, tower, vLLM share)"
+    parser.add_argument("--config", default="", help=recipe)
     parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(SHAPES), help="the shape: " + ", ".join(
         f"{k} = {v[1]}" for k, v in SHAPES.items()))  # fmt: skip
     args = parser.parse_args(argv)
@@ -518,6 +536,7 @@ def parse_args(argv=None):
         parser.error(f"{SHAPES[args.family][1]}'s full fine-tuning does not fit one GPU: add --lora")
     # vLLM's share while awake: its bf16 weights and a KV cache (Qwen3-VL-30B-A3B's weights alone are 57.9 GiB)
     utilization = {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5}.get(args.family, 0.2)
+    args.gpu_memory_utilization_given = args.gpu_memory_utilization
     args.gpu_memory_utilization = args.gpu_memory_utilization or utilization
     return args
 
@@ -592,7 +611,8 @@ def main(argv=None):
         "engine": args.engine,
         "model": SHAPES[args.family][1],
         "fla": __import__("runtime").library_versions()["fla"],
-        "mode": "lora" if args.lora else "full (vision tower frozen)",
+        "mode": training_mode(cfg),
+        "config": os.path.relpath(argv[0], REPO),
         "overrides": args.set,
         "params": n_params,
         "steps": len(steps),
@@ -622,6 +642,7 @@ def main(argv=None):
         "tower_varlen_vs_sdpa": tower,
     }
     tag = ("lora" if args.lora else "full") + ("" if args.family == "qwen2_5_vl" else f"_{args.family}")
+    tag += f"_{os.path.splitext(os.path.basename(args.config))[0]}" if args.config else ""
     tag += "_eager" if args.enforce_eager and args.engine == "vllm" else ""
     with open(os.path.join(out, f"gpu_check_{tag}.json"), "w") as f:
         json.dump({**result, "metrics": steps, "plan": plan_text}, f, indent=2)

@@ -105,6 +105,18 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     for family in ("qwen3_5", "qwen3_vl_moe"):  # full fine-tuning: 140 and 460 GiB of fp32 state before the rest
         with pytest.raises(SystemExit):
             gpu_check.parse_args(["--family", family])
+    # another recipe keeps its precision, offloading, tower and vLLM share; the check's batch and steps still apply
+    recipe = os.path.join(REPO, "configs", "geo3k_3b_1x40gb.yaml")
+    for extra, share in (([], 0.85), (["--gpu-memory-utilization", "0.43"], 0.43)):
+        args = gpu_check.parse_args(["--config", recipe, "--steps", "2", *extra])
+        path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
+        cfg = load_config(path, overrides)
+        check_config(cfg, world_size=1)
+        assert path == recipe and cfg.rollout.gpu_memory_utilization == share and cfg.trainer.max_steps == 2
+        assert cfg.actor.master_dtype == "bf16" and cfg.actor.offload_params and not cfg.actor.freeze_vision_tower
+        assert cfg.data.rollout_batch_size == 16 and cfg.rollout.n == 8 and cfg.trainer.gpu_memory_gib == 40
+        assert gpu_check.training_mode(cfg) == ("full fine-tuning with bf16 masters, offloaded while vLLM generates, "
+                                                "the vision tower trained")  # fmt: skip
 
 
 @pytest.mark.parametrize(
