@@ -1,20 +1,74 @@
-"""Run a script under torchrun on this machine's CPU, the way the end-to-end tests need it."""
+"""Run a script's ranks on this machine's CPU, the way the end-to-end tests need it: under torchrun, or forked from
+one process that imported the heavy libraries once (tests/rank_server.py), which saves each launch ~9 s of imports."""
 
+import atexit
+import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_server = {}
 
 
-def torchrun(nproc, *args, timeout=600):
-    """`torchrun --standalone --nproc_per_node=nproc *args` from the repo root; fails the test with the output tail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+def torchrun(nproc, *args, timeout=600, real=False):
+    """The ranks of `torchrun --standalone --nproc_per_node=nproc *args` from the repo root, forked by the rank
+    server, or under torchrun itself with real=True; fails the test with the output's tail; returns the ranks'
+    stdout."""
+    if real:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc.stdout
+    codes, timed_out, stdout, stderr = forked(nproc, *args, timeout=timeout)
+    assert not timed_out, f"ranks still running after {timeout} s\n" + stdout[-3000:] + stderr[-5000:]
+    assert codes == [0] * nproc, f"exit codes {codes}\n" + stdout[-3000:] + stderr[-5000:]
+    return stdout
+
+
+def forked(nproc, *args, timeout=600, merged=False):
+    """The ranks forked by the rank server with torchrun's environment for them, from the repo root: (their exit
+    codes, whether the timeout ended them, stdout, stderr); with merged=True stderr goes into stdout, in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        job = {"nproc": nproc, "args": list(args), "env": env, "cwd": REPO, "port": free_port(), "timeout": timeout,
+               "stdout": f"{tmp}/stdout", "stderr": None if merged else f"{tmp}/stderr"}  # fmt: skip
+        result = _ask_server(job, timeout + 60)
+        stdout, stderr = (open(path).read() if path else "" for path in (job["stdout"], job["stderr"]))
+    return result["codes"], result["timed_out"], stdout, stderr
+
+
+def _ask_server(job, timeout):
+    """Send a launch to the rank server (started at the first one, ~9 s) and wait for its exit codes."""
+    if not _server or _server["proc"].poll() is not None:
+        read_fd, write_fd = os.pipe()
+        log = tempfile.NamedTemporaryFile("w+", prefix="rank_server", suffix=".log", delete=False)
+        proc = subprocess.Popen(
+            [sys.executable, "-u", os.path.join(REPO, "tests", "rank_server.py"), str(write_fd)],
+            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE, stdout=log, stderr=log,
+            pass_fds=(write_fd,), text=True,
+        )  # fmt: skip
+        os.close(write_fd)
+        _server.update(proc=proc, results=os.fdopen(read_fd), log=log.name)
+        atexit.register(proc.stdin.close)  # end of input: the server ends
+        _read(timeout=300)  # the imports
+    _server["proc"].stdin.write(json.dumps(job) + "\n")
+    _server["proc"].stdin.flush()
+    return _read(timeout)
+
+
+def _read(timeout):
+    ready, _, _ = select.select([_server["results"]], [], [], timeout)
+    line = _server["results"].readline() if ready else ""
+    if not line:
+        _server["proc"].kill()
+        with open(_server["log"]) as f:
+            raise AssertionError(f"the rank server gave no answer in {timeout} s; its log:\n{f.read()[-5000:]}")
+    return json.loads(line)
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from logger import MetricsLogger, format_duration
 from runtime import version_mismatch
+from tests.launch import torchrun
 from train_grpo import ConfigError, check_config, load_config, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,17 +202,14 @@ def real_run(tiny_model_dir, tmp_path_factory):
     train = make_geo3k_like(str(tmp / "train.parquet"), n_rows=16, seed=0)
     val = make_geo3k_like(str(tmp / "val.parquet"), n_rows=4, seed=1)
     out_dir = tmp / "run"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
-        "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}", f"data.train_files={train}",
-        f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=2", "trainer.val_freq=1",
-        "trainer.logger=[console,jsonl,tensorboard]", "trainer.val_samples=2", "data.rollout_batch_size=4",
-        "actor.global_batch_size=4", "actor.micro_batch_size=8", "rollout.n=4",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out_dir, proc.stdout
+    stdout = torchrun(
+        1, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}",
+        f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=2",
+        "trainer.val_freq=1", "trainer.logger=[console,jsonl,tensorboard]", "trainer.val_samples=2",
+        "data.rollout_batch_size=4", "actor.global_batch_size=4", "actor.micro_batch_size=8", "rollout.n=4",
+        timeout=300,
+    )  # fmt: skip
+    return out_dir, stdout
 
 
 def test_plot_script_writes_pngs_from_a_real_run(real_run):

@@ -302,14 +302,15 @@ def test_start_guard_leaves_carried_tokens_out(one_rank_group):
         check_start([trainer], [Sample(0, [1, 2, 3, 4], garbage, "", False, carried=1)], prompts, 0.01, 2)
 
 
-def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
-    """configs/tiny.yaml on 2 ranks through tests/mismatch_check.py with `fault` injected into the engine; returns
-    (the train rows of metrics.jsonl or None, stdout + stderr)."""
+def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32, real=True):
+    """configs/tiny.yaml on 2 ranks through tests/mismatch_check.py with `fault` injected into the engine, under
+    torchrun (or with real=False forked by the tests' rank server, without torchrun's lines); returns (the train rows
+    of metrics.jsonl or None, stdout + stderr)."""
     import subprocess
     import sys
 
     from scripts.make_synthetic_data import make_geo3k_like
-    from tests.launch import REPO
+    from tests.launch import REPO, forked
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=rows, seed=0, text_only_every=4)
     out = tmp_path / "run"
@@ -317,12 +318,16 @@ def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32):
            "tests/mismatch_check.py", fault, "configs/tiny.yaml", f"actor.model_path={model_dir}",
            f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out}",
            f"trainer.max_steps={steps}", *overrides]  # fmt: skip
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    # one stream, as a terminal or Slurm's log shows it, so that the order of the ranks' and torchrun's lines holds
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)  # fmt: skip
-    log = proc.stdout
-    if proc.returncode:
+    if real:
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+        # one stream, as a terminal or Slurm's log shows it, so that the order of the ranks' and torchrun's lines holds
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=600)  # fmt: skip
+        failed, log = proc.returncode != 0, proc.stdout
+    else:
+        codes, timed_out, log, _ = forked(2, *cmd[cmd.index("tests/mismatch_check.py") :], merged=True)
+        failed = timed_out or any(codes)
+    if failed:
         return None, log
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], log
 
@@ -381,7 +386,7 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
     # the token run has the engine's weights go bad after step 8's sync too, with mismatch_action=skip
     fault, skip = ("noise+weights@8", ["algorithm.mismatch_action=skip"]) if name == "token" else ("noise", [])
     rows, log = _demo_run(tmp_path, tiny_model_dir, fault, "actor.lr=3e-3", *CORRECTION_RUNS[name], *skip, steps=15,
-                          rows=96)  # fmt: skip
+                          rows=96, real=False)  # fmt: skip
     assert rows is not None, log[-3000:]
     assert [r["step"] for r in rows] == list(range(1, 16))
     first = sum(r["reward/overall"] for r in rows[:5]) / 5

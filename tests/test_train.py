@@ -126,7 +126,7 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
         2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={tiny_model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}", "trainer.max_steps=20",
         "trainer.val_freq=10", "actor.lr=3e-3", f"reward.reward_fn={tmp_path / 'float_reward.py'}:digits",
-        "actor.gradient_checkpointing=true",
+        "actor.gradient_checkpointing=true", real=True,  # torchrun itself: the launch users make, end to end
     )  # fmt: skip
     assert "step 20/20" in stdout
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

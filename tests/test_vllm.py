@@ -145,9 +145,9 @@ LORA = ["actor.lora_rank=8", "actor.lora_alpha=16", "actor.lr=1e-2",
         "actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]  # fmt: skip
 
 
-def toy_run(model_dir, tmp_path, *overrides):
-    """20 steps of configs/tiny.yaml (the toy reward) on 2 ranks with vLLM, into tmp_path/run; metrics.jsonl's rows of
-    the 20 training steps."""
+def toy_run(model_dir, tmp_path, *overrides, real=False):
+    """20 steps of configs/tiny.yaml (the toy reward) on 2 ranks with vLLM, into tmp_path/run (under torchrun itself
+    with real=True); metrics.jsonl's rows of the 20 training steps."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=96, seed=0)
@@ -156,7 +156,7 @@ def toy_run(model_dir, tmp_path, *overrides):
     torchrun(
         2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model_dir}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
-        "trainer.max_steps=20", "actor.lr=3e-3", *overrides,
+        "trainer.max_steps=20", "actor.lr=3e-3", *overrides, real=real,
     )  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["step"] > 0]
@@ -178,7 +178,8 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
     and a final export that is not the merged model or has no adapter directory beside it, with gradient checkpointing
     (off in the tiny configs, on in the recipes) recomputing the adapted layers."""
     lora_args = [*LORA, "actor.gradient_checkpointing=true"] if lora else []
-    train_rows = toy_run(tiny_model_dir, tmp_path, "trainer.val_freq=10", *lora_args)
+    # the full run under torchrun itself, the launch users make; the LoRA run forked by the rank server
+    train_rows = toy_run(tiny_model_dir, tmp_path, "trainer.val_freq=10", *lora_args, real=not lora)
     for key in ("time/weight_sync", "time/wake", "time/sleep", "perf/rollout_tokens_per_s"):
         assert all(key in r for r in train_rows), key
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in train_rows)
