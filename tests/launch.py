@@ -55,6 +55,7 @@ def _ask_server(job, timeout):
         os.close(write_fd)
         _server.update(proc=proc, results=os.fdopen(read_fd), log=log.name)
         atexit.register(proc.stdin.close)  # end of input: the server ends
+        atexit.register(os.unlink, log.name)
         _read(timeout=300)  # the imports
     _server["proc"].stdin.write(json.dumps(job) + "\n")
     _server["proc"].stdin.flush()
