@@ -4,6 +4,7 @@ one process that imported the heavy libraries once (tests/rank_server.py), which
 import atexit
 import json
 import os
+import pathlib
 import select
 import socket
 import subprocess
@@ -33,12 +34,12 @@ def torchrun(nproc, *args, timeout=600, real=False):
 def forked(nproc, *args, timeout=600, merged=False):
     """The ranks forked by the rank server with torchrun's environment for them, from the repo root: (their exit
     codes, whether the timeout ended them, stdout, stderr); with merged=True stderr goes into stdout, in order."""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        job = {"nproc": nproc, "args": list(args), "env": env, "cwd": REPO, "port": free_port(), "timeout": timeout,
-               "stdout": f"{tmp}/stdout", "stderr": None if merged else f"{tmp}/stderr"}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:  # (each rank gets OMP_NUM_THREADS=1 from the server, as from torchrun)
+        stderr = None if merged else f"{tmp}/stderr"
+        job = {"nproc": nproc, "args": list(args), "env": dict(os.environ), "cwd": REPO, "port": free_port(),
+               "timeout": timeout, "stdout": f"{tmp}/stdout", "stderr": stderr}  # fmt: skip
         result = _ask_server(job, timeout + 60)
-        stdout, stderr = (open(path).read() if path else "" for path in (job["stdout"], job["stderr"]))
+        stdout, stderr = (pathlib.Path(path).read_text() if path else "" for path in (job["stdout"], job["stderr"]))
     return result["codes"], result["timed_out"], stdout, stderr
 
 
@@ -49,7 +50,7 @@ def _ask_server(job, timeout):
         log = tempfile.NamedTemporaryFile("w+", prefix="rank_server", suffix=".log", delete=False)
         proc = subprocess.Popen(
             [sys.executable, "-u", os.path.join(REPO, "tests", "rank_server.py"), str(write_fd)],
-            cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.PIPE, stdout=log, stderr=log,
+            cwd=REPO, stdin=subprocess.PIPE, stdout=log, stderr=log,  # (it sets OMP_NUM_THREADS=1 before torch)
             pass_fds=(write_fd,), text=True,
         )  # fmt: skip
         os.close(write_fd)

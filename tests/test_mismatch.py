@@ -314,18 +314,18 @@ def _demo_run(tmp_path, model_dir, fault, *overrides, steps=2, rows=32, real=Tru
 
     train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=rows, seed=0, text_only_every=4)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/mismatch_check.py", fault, "configs/tiny.yaml", f"actor.model_path={model_dir}",
-           f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out}",
-           f"trainer.max_steps={steps}", *overrides]  # fmt: skip
+    args = ["tests/mismatch_check.py", fault, "configs/tiny.yaml", f"actor.model_path={model_dir}",
+            f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out}", f"trainer.max_steps={steps}",
+            *overrides]  # fmt: skip
     if real:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
         env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
         # one stream, as a terminal or Slurm's log shows it, so that the order of the ranks' and torchrun's lines holds
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=600)  # fmt: skip
         failed, log = proc.returncode != 0, proc.stdout
     else:
-        codes, timed_out, log, _ = forked(2, *cmd[cmd.index("tests/mismatch_check.py") :], merged=True)
+        codes, timed_out, log, _ = forked(2, *args, merged=True)
         failed = timed_out or any(codes)
     if failed:
         return None, log
