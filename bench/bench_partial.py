@@ -5,13 +5,16 @@ model, data and seeds, and the rollout throughput of each (tokens generated per 
     python bench/bench_partial.py --workload other     # another length distribution, to check the gain holds
     python bench/bench_partial.py --workload loop      # a heavier tail: a few answers loop on to the limit
     python bench/bench_partial.py --workload loop --max-response-length 1024   # the same under a longer limit
+    python bench/bench_partial.py --n 5                # 5 answers a prompt, as the geo3k recipes draw
 
 The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
-limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers at the
+limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers (`--n`) at the
 recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
 (the engine's warm-up) is left out. The two runs go at the same time, so that on a shared machine both see the same
-load, and each figure is the median over the steps (a step slowed by another job's burst does not decide it). Partial
+load, and they trade cores every half second (`--swap-s`): on a virtual machine the cores do not run at the same
+speed, nor each at one speed for long (two identical runs side by side, each left on a core of its own, came out up
+to 30 % apart; trading cores, within 3 %). The throughput is the steps' tokens over their rollout seconds. Partial
 on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group, a reserve of
 half the step's leaves most quotas waiting for a group with one long answer; `--reserve`, and 2.0 for the loop
 workload, whose slow groups are more) and algorithm.rollout_is=token. The loop workload's model also has a repetition
@@ -22,12 +25,14 @@ later); rollout time: the trainer's time/generate.
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,11 +48,11 @@ WORKLOADS = {
 }
 
 
-def start(model, data, out, steps, max_len, *overrides):
+def start(model, data, out, steps, max_len, n, *overrides):
     """One trainer run on one rank, started; metrics(out) reads its rows once it is done."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
            "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model}", f"data.train_files={data}",
-           "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=8",
+           "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", f"rollout.n={n}",
            f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
            "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
            "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
@@ -56,18 +61,54 @@ def start(model, data, out, steps, max_len, *overrides):
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
 
 
+def processes(pid):
+    """The process and its descendants, as /proc lists them now (a run's workers start after it)."""
+    found = [pid]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [q for child in f.read().split() for q in processes(int(child))]
+    except OSError:  # (it ended meanwhile)
+        pass
+    return found
+
+
+def pin(pid, cpus):
+    """Every thread of the process and its descendants onto `cpus` (affinity is a thread's own)."""
+    for p in processes(pid):
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                os.sched_setaffinity(int(task), cpus)
+        except OSError:
+            pass
+
+
+def trade_cores(procs, period, stop):
+    """Two runs on two halves of this process's cores, swapped every `period` seconds until `stop` is set: each run
+    gets as much of each core as the other, whatever speed each core runs at meanwhile."""
+    cpus = sorted(os.sched_getaffinity(0))
+    halves = [set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])]
+    for turn in itertools.count():
+        for k, proc in enumerate(procs):
+            pin(proc.pid, halves[(k + turn) % 2])
+        if stop.wait(period):
+            break
+    for proc in procs:  # (they have ended; the cores back for any that has not)
+        pin(proc.pid, set(cpus))
+
+
 def metrics(out):
     """The rows of steps 2 .. the last (step 1 warms the engine up)."""
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if r["step"] > 1]
 
 
-def summary(rows, partial):
-    """Per step: generated tokens per second of rollout and step seconds (medians), and the trained answers."""
-    n_answers = 64  # 8 prompts x 8 answers a step
-    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * n_answers for r in rows]
+def summary(rows, partial, n):
+    """Generated tokens per second of rollout (the steps' tokens over their rollout seconds), the median step
+    seconds, and the trained answers."""
+    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * 8 * n for r in rows]
     return {
-        "tokens_per_s": statistics.median(g / r["time/generate"] for g, r in zip(gen, rows)),
+        "tokens_per_s": sum(gen) / sum(r["time/generate"] for r in rows),
         "tokens": sum(gen) / len(rows),
         "rollout_s": statistics.median(r["time/generate"] for r in rows),
         "step_s": statistics.median(r["time/step"] for r in rows),
@@ -84,6 +125,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reserve", type=float, help="rollout.partial_reserve of the partial run (the workload's)")
     parser.add_argument("--max-response-length", type=int, help="the answers' limit (the workload's)")
+    parser.add_argument("--n", type=int, default=8, help="answers a prompt (rollout.n; the geo3k recipes' is 5)")
+    parser.add_argument("--swap-s", type=float, default=0.5, help="seconds between the runs' core trades (0: none)")
     args = parser.parse_args()
     from scripts.make_synthetic_data import make_geo3k_like
     from scripts.make_tiny_model import build_tiny_model
@@ -97,7 +140,7 @@ def main():
                              loop_logit=w["loop_logit"])  # fmt: skip
     data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
     print(f"workload {args.workload}: eos_logit {w['eos_logit']}, loop_logit {w['loop_logit']}, answers up to "
-          f"{w['max_response_length']} tokens, {args.steps} steps of 8 prompts x 8 answers, 1 rank, vLLM (CPU), "
+          f"{w['max_response_length']} tokens, {args.steps} steps of 8 prompts x {args.n} answers, 1 rank, vLLM (CPU), "
           f"partial_reserve {reserve}", flush=True)  # fmt: skip
     # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
     # one after the other they would not
@@ -107,14 +150,20 @@ def main():
     }
     t0 = time.perf_counter()
     procs = {
-        k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], *v) for k, v in runs.items()
+        k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], args.n, *v)
+        for k, v in runs.items()
     }
+    stop = threading.Event()
+    if args.swap_s > 0 and len(os.sched_getaffinity(0)) >= 2:
+        threading.Thread(target=trade_cores, args=(list(procs.values()), args.swap_s, stop), daemon=True).start()
     for name, proc in procs.items():
         if proc.wait():
+            stop.set()
             raise SystemExit(f"partial {name} failed: see {os.path.join(tmp, name)}.log")
+    stop.set()
     results = {}
     for name in runs:
-        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on")
+        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on", args.n)
         print(f"partial {name:3}: {s['tokens_per_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens a step, "
               f"rollout {s['rollout_s']:.1f}s) | step {s['step_s']:.2f}s | trained answers: mean length "
               f"{s['len_mean']:.0f}, longest {s['len_max']:.0f}, carried {s['carried']:.2f}, off-policy tokens "
