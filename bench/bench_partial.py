@@ -14,7 +14,7 @@ recipe's learning rate (1e-6: the lengths stay as the model has them, the same w
 (the engine's warm-up) is left out. The two runs go at the same time, so that on a shared machine both see the same
 load, and they trade cores every half second (`--swap-s`): on a virtual machine the cores do not run at the same
 speed, nor each at one speed for long (two identical runs side by side, each left on a core of its own, came out up
-to 30 % apart; trading cores, within 3 %). The throughput is the steps' tokens over their rollout seconds. Partial
+to 30 % apart; trading cores, within 4 %). The throughput is the steps' tokens over their rollout seconds. Partial
 on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group, a reserve of
 half the step's leaves most quotas waiting for a group with one long answer; `--reserve`, and 2.0 for the loop
 workload, whose slow groups are more) and algorithm.rollout_is=token. The loop workload's model also has a repetition
@@ -84,17 +84,16 @@ def pin(pid, cpus):
 
 
 def trade_cores(procs, period, stop):
-    """Two runs on two halves of this process's cores, swapped every `period` seconds until `stop` is set: each run
-    gets as much of each core as the other, whatever speed each core runs at meanwhile."""
+    """Two runs on two equal halves of this process's cores (an odd one left out), swapped every `period` seconds
+    until `stop` is set: each run gets as much of each core as the other, whatever speed each core runs at meanwhile."""
     cpus = sorted(os.sched_getaffinity(0))
-    halves = [set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])]
+    half = len(cpus) // 2
+    halves = [set(cpus[:half]), set(cpus[half : 2 * half])]
     for turn in itertools.count():
         for k, proc in enumerate(procs):
             pin(proc.pid, halves[(k + turn) % 2])
         if stop.wait(period):
             break
-    for proc in procs:  # (they have ended; the cores back for any that has not)
-        pin(proc.pid, set(cpus))
 
 
 def metrics(out):
