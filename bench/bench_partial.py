@@ -63,13 +63,18 @@ def start(model, data, out, steps, max_len, n, *overrides):
 
 def processes(pid):
     """The process and its descendants, as /proc lists them now (a run's workers start after it)."""
-    found = [pid]
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [q for child in f.read().split() for q in processes(int(child))]
-    except OSError:  # (it ended meanwhile)
-        pass
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:  # pid (comm) state ppid ...; comm may hold spaces and parentheses
+                parent = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or it ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
     return found
 
 
@@ -153,7 +158,7 @@ def main():
         for k, v in runs.items()
     }
     stop = threading.Event()
-    if args.swap_s > 0 and len(os.sched_getaffinity(0)) >= 2:
+    if args.swap_s > 0 and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         threading.Thread(target=trade_cores, args=(list(procs.values()), args.swap_s, stop), daemon=True).start()
     for name, proc in procs.items():
         if proc.wait():
