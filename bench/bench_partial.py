@@ -36,6 +36,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = 8  # a step's prompts (one rank)
 sys.path.insert(0, REPO)
 
 # each workload's tiny model (its seed, end-of-answer logit, repetition loop), answer limit and partial_reserve. The
@@ -52,8 +53,8 @@ def start(model, data, out, steps, max_len, n, *overrides):
     """One trainer run on one rank, started; metrics(out) reads its rows once it is done."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
            "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model}", f"data.train_files={data}",
-           "data.val_files=", "data.rollout_batch_size=8", "actor.global_batch_size=8", f"rollout.n={n}",
-           f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
+           "data.val_files=", f"data.rollout_batch_size={PROMPTS}", f"actor.global_batch_size={PROMPTS}",
+           f"rollout.n={n}", f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
            "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
            "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
            "actor.lr=1e-6", *overrides]  # fmt: skip
@@ -61,26 +62,26 @@ def start(model, data, out, steps, max_len, n, *overrides):
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
 
 
-def processes(pid):
-    """The process and its descendants, as /proc lists them now (a run's workers start after it)."""
-    children = {}
+def children():
+    """Each process's children, as /proc lists them now (a run's workers start after it)."""
+    found = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:  # pid (comm) state ppid ...; comm may hold spaces and parentheses
                 parent = int(f.read().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):  # not a process, or it ended meanwhile
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
             continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += children.get(found[-1], [])
+        found.setdefault(parent, []).append(int(entry))
     return found
 
 
-def pin(pid, cpus):
-    """Every thread of the process and its descendants onto `cpus` (affinity is a thread's own)."""
-    for p in processes(pid):
+def pin(pid, cpus, kids):
+    """Every thread of the process and its descendants (`kids`: children()) onto `cpus` (affinity is a thread's own)."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += kids.get(tree[-1], [])
+    for p in tree:
         try:
             for task in os.listdir(f"/proc/{p}/task"):
                 os.sched_setaffinity(int(task), cpus)
@@ -95,8 +96,9 @@ def trade_cores(procs, period, stop):
     half = len(cpus) // 2
     halves = [set(cpus[:half]), set(cpus[half : 2 * half])]
     for turn in itertools.count():
+        kids = children()  # (one look at /proc for both runs)
         for k, proc in enumerate(procs):
-            pin(proc.pid, halves[(k + turn) % 2])
+            pin(proc.pid, halves[(k + turn) % 2], kids)
         if stop.wait(period):
             break
 
@@ -110,7 +112,7 @@ def metrics(out):
 def summary(rows, partial, n):
     """Generated tokens per second of rollout (the steps' tokens over their rollout seconds), the median step
     seconds, and the trained answers."""
-    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * 8 * n for r in rows]
+    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * PROMPTS * n for r in rows]
     return {
         "tokens_per_s": sum(gen) / sum(r["time/generate"] for r in rows),
         "tokens": sum(gen) / len(rows),
@@ -144,8 +146,8 @@ def main():
                              loop_logit=w["loop_logit"])  # fmt: skip
     data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
     print(f"workload {args.workload}: eos_logit {w['eos_logit']}, loop_logit {w['loop_logit']}, answers up to "
-          f"{w['max_response_length']} tokens, {args.steps} steps of 8 prompts x {args.n} answers, 1 rank, vLLM (CPU), "
-          f"partial_reserve {reserve}", flush=True)  # fmt: skip
+          f"{w['max_response_length']} tokens, {args.steps} steps of {PROMPTS} prompts x {args.n} answers, 1 rank, "
+          f"vLLM (CPU), partial_reserve {reserve}", flush=True)  # fmt: skip
     # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
     # one after the other they would not
     runs = {
