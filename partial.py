@@ -24,8 +24,8 @@ https://arxiv.org/abs/2509.18521; AReaL's and verl's fully-async trainers bound 
 The quota is per rank, as the prompts are, but the ranks stop together: the step waits for the rank that takes
 longest to get its groups, and meanwhile the others decode on, their open answers gaining tokens instead of the
 ranks waiting idle (a TP group stops when each member has its quota, a decision every member takes alike from the
-same outputs). The carried answers are part of the checkpoint
-(rank files: `state_dict`), prompts by their row in the train set, so a resumed run continues exactly.
+same outputs). The carried answers are part of the checkpoint (rank files: `state_dict`), prompts by their row in
+the train set, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
