@@ -27,7 +27,8 @@ and how fast is it?
    sleep seconds, and the GPU memory free (torch.cuda.mem_get_info) right before and after every sleep: the device's
    use while vLLM is awake set beside the memory plan's rollout phase (within 10 % is the bar). CUDA graphs are on,
    as in a real run; --enforce-eager runs the same without them. Then, in a fresh process, vLLM's log-probs of its
-   own samples against the trainer's (bf16, after a weight sync), separately for text prompts and for image prompts.
+   own samples against the trainer's (bf16, after a weight sync), separately for text prompts and for image prompts,
+   and the engine's generation speed with a seed for each request (as the trainer samples) and without.
 
 Prints and writes (to $OUT, else outputs/gpu_check/) tokens/s per GPU (prompt incl. image tokens + response tokens
 of a step / step seconds, as EasyR1 counts it: docs/performance.md), model FLOPs utilisation of the training phases,
@@ -375,7 +376,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     cfg = train_grpo.load_config(None, [
         "rollout.engine=vllm", f"actor.model_path={model_dir}", "data.min_pixels=262144", "data.max_pixels=4194304",
         "data.max_prompt_length=2048", f"data.max_response_length={response_tokens}",
-        "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={2 * prompts * n}",
+        "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={4 * prompts * n}",
         f"rollout.enforce_eager={str(enforce_eager).lower()}", f"rollout.cpu_kv_cache_bytes={256 << 20}",
     ])  # fmt: skip
     rollout.check_prompt_limits(cfg.rollout, [dataset])  # the engine's images a prompt: the data's most, as in training
@@ -406,6 +407,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
+    result["seeding"] = seeding_cost(engine, encoded, 4 * n, response_tokens)
     runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
 
@@ -480,6 +482,27 @@ def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
     scale = out["sdpa"].abs().mean().item()
     del model
     return {"max": diff.max().item(), "mean": diff.mean().item(), "mean_abs_feature": scale, "tokens": diff.shape[0]}
+
+
+def seeding_cost(engine, prompts, n, max_tokens):
+    """Generation tokens/s of n answers to each prompt with a seed for each request, as the trainer samples (so that
+    a resumed run samples what an uninterrupted one would), and with none. vLLM draws a seeded request's noise with
+    the request's own generator, one request at a time (v1/sample/ops/topk_topp_sampler.py: `random_sample` loops
+    over `generators`, 0.26 and 0.32; on CUDA any seeded request also sends the batch past FlashInfer's sampler to
+    that path), an unseeded batch's in one call: with hundreds of answers a rank, hundreds of small kernels a decode
+    step. Alternated, twice each, the faster of each."""
+    requests = [engine._request(rollout.engine_prompt_ids(p, engine.image_token_id), p.images, []) for p in prompts]
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
+    best = {"seeded": 0.0, "unseeded": 0.0}
+    for _ in range(2):
+        for name in best:
+            seeds = [rollout.request_seed(7, i, n) if name == "seeded" else None for i in range(len(requests))]
+            sampling = [engine._sampling(params, n, max_tokens, seed) for seed in seeds]
+            t0 = time.perf_counter()
+            outputs = engine.llm.generate(requests, sampling, use_tqdm=False)
+            tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+            best[name] = max(best[name], tokens / (time.perf_counter() - t0))
+    return {**{f"{k}_tokens_per_s": v for k, v in best.items()}, "answers": len(requests) * n}
 
 
 def engine_vs_trainer_process(model_dir, data_dir, args):
@@ -673,6 +696,11 @@ def main(argv=None):
             if modality in ("text", "image"):
                 print(f"  vLLM vs trainer log-probs of vLLM's samples ({engine_agreement['dtype']}, {modality}, "
                       f"{d['tokens']} tokens): max |diff| {d['max']:.3f}, mean {d['mean']:.4f}")  # fmt: skip
+        if "seeding" in engine_agreement:
+            d = engine_agreement["seeding"]
+            print(f"  vLLM generation, {d['answers']} answers at once: a seed a request (as the trainer samples) "
+                  f"{d['seeded_tokens_per_s']:.0f} tokens/s, none {d['unseeded_tokens_per_s']:.0f} "
+                  f"({d['seeded_tokens_per_s'] / d['unseeded_tokens_per_s']:.2f}x)")  # fmt: skip
         if "routing" in engine_agreement:
             r = engine_agreement["routing"]
             print(f"  vLLM vs trainer routing (eager engine): share of (token, layer) pairs whose top-k experts "

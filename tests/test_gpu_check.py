@@ -211,7 +211,8 @@ def test_gpu_check_sets_the_devices_rollout_memory_beside_the_plan():
 def test_gpu_check_engine_vs_trainer_runs_on_cpu(tiny_model_dir, tmp_path):
     """Guards against the per-modality comparison of vLLM's log-probs with the trainer's being broken (it runs only at
     the end of a GPU session): on CPU in fp32, in the fresh process main() starts for it, after a weight sync, text
-    and image answers both agree within tests/test_vllm.py's bounds."""
+    and image answers both agree within tests/test_vllm.py's bounds; the engine's speed with and without request
+    seeds is measured."""
     import json
     import subprocess
     import sys
@@ -228,6 +229,8 @@ def test_gpu_check_engine_vs_trainer_runs_on_cpu(tiny_model_dir, tmp_path):
     assert result["dtype"] == "float32"
     assert result["text"]["max"] <= 1e-4 and result["image"]["max"] <= 0.05, result
     assert result["text"]["tokens"] > 0 and result["image"]["tokens"] > 0
+    seeding = result["seeding"]  # generation with and without request seeds, 8 prompts x 16 answers
+    assert seeding["answers"] == 128 and seeding["seeded_tokens_per_s"] > 0 and seeding["unseeded_tokens_per_s"] > 0
 
 
 def test_gpu_check_leaves_vllms_sleeping_pool_out_of_the_trainers_phases(monkeypatch):
