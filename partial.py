@@ -21,11 +21,9 @@ https://arxiv.org/abs/2509.18521; AReaL's and verl's fully-async trainers bound 
     taken in the same step (quota met or not: a carried answer never waits inside a turn), and while the rank is
     short of groups the answers go on in another engine call of the step; one with turns continues from its
     conversation so far (turns.continuation), and the checkpoint keeps its turns.
-The quota is per rank, as the prompts are, but the ranks stop together: the step waits for the rank that takes
-longest to get its groups, and meanwhile the others decode on, their open answers gaining tokens instead of the
-ranks waiting idle (a TP group stops when each member has its quota, a decision every member takes alike from the
-same outputs). The carried answers are part of the checkpoint (rank files: `state_dict`), prompts by their row in
-the train set, so a resumed run continues exactly.
+The quota is per rank, as the prompts are (each rank stops on its own; a TP group stops when each member has its
+quota, a decision every member takes alike from the same outputs). The carried answers are part of the checkpoint
+(rank files: `state_dict`), prompts by their row in the train set, so a resumed run continues exactly.
 """
 
 from __future__ import annotations

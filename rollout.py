@@ -300,13 +300,6 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     return (member_seed * 1_000_003 + prompt * n) % 2**63
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether the flag is set on any rank (every rank must call it: one all_reduce)."""
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t)
-
-
 def sleep_level_for(requested: int, lora_rank: int) -> int:
     """The vLLM sleep level a run uses (rollout.sleep_level; -1, the default, chooses). Level 1 copies every weight
     to host memory at each sleep (pinned, one block per allocation) and back at each wake; level 2 discards them,
@@ -611,8 +604,7 @@ class VLLMEngine:
         i-th answer of a request seed + i, so each draws the stream it would draw as a request of its own. Returns per
         answer (new token ids, their log-probs, finished, truncated); an answer that stopped at one of its pause_ids
         (a tool call) has not finished, and its group is not complete. A TP group's members submit every member's
-        requests and stop when each member has its quota: a decision each takes alike from the same outputs. With
-        several engines (data-parallel ranks) all stop together, when the last has its quota (every rank calls it)."""
+        requests and stop when each member has its quota: a decision each takes alike from the same outputs."""
         self._prepare([c.prompt for c in requests])
         mine = [(engine_prompt_ids(c.prompt, self.image_token_id) + list(c.prefix), c.prompt.images,
                  [engine_video(v) for v in c.prompt.videos],
@@ -646,10 +638,10 @@ class VLLMEngine:
         paused = [False] * len(owner)  # finished at one of its pause_ids: not the answer's end
         member = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         start = sum(len(r) for r, _, _ in members[:member])
-        engine, internal = self.llm.llm_engine, None
         if owner and not quota_met():
             internal = self.llm.enqueue(prompts, sampling, use_tqdm=False)
             index = {rid: u for u, rid in enumerate(vllm_compat.external_ids(self.llm, internal))}
+            engine = self.llm.llm_engine
 
             def record(out):
                 """Each answer's tokens so far and the reason it finished (None: it has not)."""
@@ -664,25 +656,14 @@ class VLLMEngine:
                     paused[k] = finish[k] == "stop" and bool(tokens[k]) and tokens[k][-1] in owner[k][3]
                 return u
 
-        # The step waits for the rank that takes longest to get its groups. Meanwhile a rank that has them decodes
-        # on: its open answers gain tokens that the next step would otherwise sample, where it would sit idle.
-        replicas = dist.is_initialized() and dist.get_world_size() > self.tp
-        while True:
-            going = internal is not None and not quota_met() and engine.has_unfinished_requests()
-            if replicas:
-                going = any_rank(going)
-            if not going:
-                break
-            if internal is None or not engine.has_unfinished_requests():
-                continue  # (nothing left to decode here: only the others' quotas keep the loop going)
-            for out in engine.step():  # (only finished requests report: final-only)
-                u = record(out)
-                m, group, was_pinned, _ = owner[first[u]]
-                ended = sum(not paused[first[u] + c.index] for c in out.outputs)
-                unfinished[m, group] -= ended
-                complete[m] += ended > 0 and unfinished[m, group] == 0
-                pinned -= was_pinned * ended
-        if internal is not None:
+            while not quota_met() and engine.has_unfinished_requests():
+                for out in engine.step():  # (only finished requests report: final-only)
+                    u = record(out)
+                    m, group, was_pinned, _ = owner[first[u]]
+                    ended = sum(not paused[first[u] + c.index] for c in out.outputs)
+                    unfinished[m, group] -= ended
+                    complete[m] += ended > 0 and unfinished[m, group] == 0
+                    pinned -= was_pinned * ended
             for out in vllm_compat.stop_requests(self.llm, internal):  # (it skips those that finished)
                 record(out)  # (a request of several answers: those that finished keep their reason)
         return [(tokens[k], logprobs[k], finish[k] is not None and not paused[k], finish[k] == "length")

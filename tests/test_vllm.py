@@ -237,17 +237,3 @@ def test_an_answer_that_pauses_leaves_its_group_open(tp1, tp2):
         assert paused, group0  # (half the tokens pause: some did)
         assert all(ids[-1] % 2 == 0 and ids[-1] < 400 and all(t % 2 or t >= 400 for t in ids[:-1]) for ids in paused)
         assert all(finished for _, finished, _ in group1), group1  # run to their end, not stopped
-
-
-def test_data_parallel_engines_stop_together_the_others_decoding_on(tp1):
-    """Guards the ranks' joint stop of partial rollouts (rollout.generate_until): a rank that has its groups first
-    must decode on until the last rank has its own, its open answers gaining a token a step, and stop with it. A rank
-    stopping alone would sit idle for the rest of the step (its open answers here with 2 tokens, not 8), and a rank
-    that stopped its loop early would leave the others waiting in a collective it no longer calls."""
-    fast, slow = (rank["stopped_together"] for rank in tp1)
-    assert all(finished and len(ids) == 2 for ids, finished in fast[:2]), fast  # rank 0's group: 2 steps
-    assert all(finished for _, finished in slow[:2]), slow
-    steps = max(len(ids) for ids, _ in slow[:2])  # when rank 1 had its group (8 tokens, unless one ended sooner)
-    assert steps > 2, slow
-    assert [len(ids) for ids, finished in fast[2:] if not finished] == [steps, steps], fast
-    assert all(not finished and len(ids) == steps for ids, finished in slow[2:]), slow  # (max 12: stopped)

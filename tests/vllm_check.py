@@ -169,19 +169,6 @@ def check_pause(engine, prompt, result):
     result["paused"] = [[ids, finished, truncated] for ids, _, finished, truncated in out]
 
 
-def check_ranks_stop_together(engine, prompt, rank, result):
-    """rollout.generate_until on two data-parallel engines, quota 1 each: rank 0's first group (2 answers of at most
-    2 tokens) is complete after 2 decode steps, rank 1's (at most 8) after 8. Stopping alone, rank 0's second group
-    (at most 12 tokens) would have 2 tokens an answer; the ranks stop together, so it decodes on while rank 1 lacks
-    its group and has 8."""
-    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=12)
-    engine.llm.reset_prefix_cache()
-    short = replace(prompt, max_tokens=2 if rank == 0 else 8)
-    requests = [rollout.Continuation(short, [], 0)] * 2 + [rollout.Continuation(prompt, [], 1)] * 2
-    out = engine.generate_until(requests, 1, params, seed=99 + rank)
-    result["stopped_together"] = [[ids, finished] for ids, _, finished, _ in out]
-
-
 def record_applied(engine, names):
     """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
     apply = engine.llm.apply_model
@@ -297,8 +284,6 @@ def main():
     if engine.tp_group is None:  # (a TP group's members would have to submit the same requests)
         check_grouped_stop(engine, image[0], result)
     check_pause(engine, image[0], result)  # (generate_until pools a TP group's requests)
-    if engine.tp_group is None:  # (with TP = 2 the two ranks are one engine)
-        check_ranks_stop_together(engine, image[0], rank, result)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
