@@ -373,10 +373,11 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     processor = AutoProcessor.from_pretrained(model_dir)
     dataset = PromptDataset(f"{data_dir}/train.parquet", processor, min_pixels=262144, max_pixels=4194304,
                             format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
+    at_once = 4 * n  # answers a prompt in the seeding timing (seeding_cost), all decoded together
     cfg = train_grpo.load_config(None, [
         "rollout.engine=vllm", f"actor.model_path={model_dir}", "data.min_pixels=262144", "data.max_pixels=4194304",
         "data.max_prompt_length=2048", f"data.max_response_length={response_tokens}",
-        "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={4 * prompts * n}",
+        "rollout.gpu_memory_utilization=0.3", f"rollout.max_num_seqs={prompts * at_once}",
         f"rollout.enforce_eager={str(enforce_eager).lower()}", f"rollout.cpu_kv_cache_bytes={256 << 20}",
     ])  # fmt: skip
     rollout.check_prompt_limits(cfg.rollout, [dataset])  # the engine's images a prompt: the data's most, as in training
@@ -407,7 +408,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
-    result["seeding"] = seeding_cost(engine, encoded, 4 * n, response_tokens)
+    result["seeding"] = seeding_cost(engine, encoded, at_once, response_tokens)
     runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
 
