@@ -6,20 +6,23 @@ model, data and seeds, and the rollout throughput of each (tokens generated per 
     python bench/bench_partial.py --workload loop      # a heavier tail: a few answers loop on to the limit
     python bench/bench_partial.py --workload loop --max-response-length 1024   # the same under a longer limit
     python bench/bench_partial.py --n 5                # 5 answers a prompt, as the geo3k recipes draw
+    python bench/bench_partial.py --prompts 3 --n 5    # batches small enough that a decode step costs nearly the
+                                                       # same at a few answers as at all (a GPU's regime)
+    python bench/bench_partial.py --engine-steps       # also where each rollout's time goes, engine step by step
 
 The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
 raised (scripts/make_tiny_model.py `eos_logit`), so most answers end within a few dozen tokens and a few run to the
-limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts x 8 answers (`--n`) at the
-recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both runs); the first step
-(the engine's warm-up) is left out. The two runs go at the same time, so that on a shared machine both see the same
-load, and they trade cores every half second (`--swap-s`): on a virtual machine the cores do not run at the same
-speed, nor each at one speed for long (two identical runs side by side, each left on a core of its own, came out up
-to 30 % apart; trading cores, within 4 %). The throughput is the steps' tokens over their rollout seconds. Partial
-on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group, a reserve of
-half the step's leaves most quotas waiting for a group with one long answer; `--reserve`, and 2.0 for the loop
-workload, whose slow groups are more) and algorithm.rollout_is=token. The loop workload's model also has a repetition
-loop (`loop_logit`): a few answers in a hundred fall into it and run on for hundreds of tokens, some to the limit, as
-RL policies' answers that repeat themselves do.
+limit. Each run is `configs/tiny.yaml` on one rank with vLLM for `--steps` steps of 8 prompts (`--prompts`) x 8
+answers (`--n`) at the recipe's learning rate (1e-6: the lengths stay as the model has them, the same workload in both
+runs); the first step (the engine's warm-up) is left out. The two runs go at the same time, so that on a shared
+machine both see the same load, and they trade cores every half second (`--swap-s`): on a virtual machine the cores do
+not run at the same speed, nor each at one speed for long (two identical runs side by side, each left on a core of its
+own, came out up to 30 % apart; trading cores, within 4 %). The throughput is the steps' tokens over their rollout
+seconds. Partial on runs with rollout.partial_reserve=1.0 (twice the step's prompts in flight: with 8 answers a group,
+a reserve of half the step's leaves most quotas waiting for a group with one long answer; `--reserve`, and 2.0 for the
+loop workload, whose slow groups are more) and algorithm.rollout_is=token. The loop workload's model also has a
+repetition loop (`loop_logit`): a few answers in a hundred fall into it and run on for hundreds of tokens, some to the
+limit, as RL policies' answers that repeat themselves do.
 Generated tokens: every token the engine sampled in the step (with partial, also those of answers it will finish
 later); rollout time: the trainer's time/generate.
 """
@@ -36,7 +39,6 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = 8  # a step's prompts (one rank)
 sys.path.insert(0, REPO)
 
 # each workload's tiny model (its seed, end-of-answer logit, repetition loop), answer limit and partial_reserve. The
@@ -49,17 +51,20 @@ WORKLOADS = {
 }
 
 
-def start(model, data, out, steps, max_len, n, *overrides):
-    """One trainer run on one rank, started; metrics(out) reads its rows once it is done."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train_grpo.py",
+def start(model, data, out, steps, max_len, prompts, n, engine_steps, *overrides):
+    """One trainer run on one rank, started; metrics(out) reads its rows once it is done. With engine_steps through
+    bench/engine_steps.py, which writes the engine's steps to {out}.steps."""
+    script = ["bench/engine_steps.py", "train_grpo.py"] if engine_steps else ["train_grpo.py"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *script,
            "configs/tiny.yaml", "rollout.engine=vllm", f"actor.model_path={model}", f"data.train_files={data}",
-           "data.val_files=", f"data.rollout_batch_size={PROMPTS}", f"actor.global_batch_size={PROMPTS}",
+           "data.val_files=", f"data.rollout_batch_size={prompts}", f"actor.global_batch_size={prompts}",
            f"rollout.n={n}", f"data.max_response_length={max_len}", "actor.max_tokens_per_micro_batch=8192",
            "actor.max_tokens_per_micro_batch_no_grad=16384", f"trainer.max_steps={steps}", "trainer.save_freq=0",
            "trainer.export_hf=false", f"trainer.output_dir={out}", "trainer.resume=none",
            "actor.lr=1e-6", *overrides]  # fmt: skip
     log = open(f"{out}.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ENGINE_STEPS_OUT": f"{out}.steps"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log)
 
 
 def children():
@@ -109,10 +114,10 @@ def metrics(out):
     return [r for r in rows if r["step"] > 1]
 
 
-def summary(rows, partial, n):
+def summary(rows, partial, answers):
     """Generated tokens per second of rollout (the steps' tokens over their rollout seconds), the median step
     seconds, and the trained answers."""
-    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * PROMPTS * n for r in rows]
+    gen = [r["rollout/partial_generated"] if partial else r["response_length/mean"] * answers for r in rows]
     return {
         "tokens_per_s": sum(gen) / sum(r["time/generate"] for r in rows),
         "tokens": sum(gen) / len(rows),
@@ -131,9 +136,13 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reserve", type=float, help="rollout.partial_reserve of the partial run (the workload's)")
     parser.add_argument("--max-response-length", type=int, help="the answers' limit (the workload's)")
+    parser.add_argument("--prompts", type=int, default=8, help="a step's prompts (rollout_batch_size, one rank)")
     parser.add_argument("--n", type=int, default=8, help="answers a prompt (rollout.n; the geo3k recipes' is 5)")
+    steps_help = "also where each rollout's time goes, vLLM's engine steps recorded one by one (bench/engine_steps.py)"
+    parser.add_argument("--engine-steps", action="store_true", help=steps_help)
     parser.add_argument("--swap-s", type=float, default=0.5, help="seconds between the runs' core trades (0: none)")
     args = parser.parse_args()
+    from bench import engine_steps
     from scripts.make_synthetic_data import make_geo3k_like
     from scripts.make_tiny_model import build_tiny_model
 
@@ -146,8 +155,8 @@ def main():
                              loop_logit=w["loop_logit"])  # fmt: skip
     data = make_geo3k_like(os.path.join(tmp, "train.parquet"), n_rows=256, seed=w["seed"])
     print(f"workload {args.workload}: eos_logit {w['eos_logit']}, loop_logit {w['loop_logit']}, answers up to "
-          f"{w['max_response_length']} tokens, {args.steps} steps of {PROMPTS} prompts x {args.n} answers, 1 rank, "
-          f"vLLM (CPU), partial_reserve {reserve}", flush=True)  # fmt: skip
+          f"{w['max_response_length']} tokens, {args.steps} steps of {args.prompts} prompts x {args.n} answers, "
+          f"1 rank, vLLM (CPU), partial_reserve {reserve}", flush=True)  # fmt: skip
     # Both runs at once, each with its own rendezvous port: on a shared machine they see the same load, which
     # one after the other they would not
     runs = {
@@ -155,10 +164,8 @@ def main():
         "on": ["rollout.partial=true", "algorithm.rollout_is=token", f"rollout.partial_reserve={reserve}"],
     }
     t0 = time.perf_counter()
-    procs = {
-        k: start(model, data, os.path.join(tmp, k), args.steps, w["max_response_length"], args.n, *v)
-        for k, v in runs.items()
-    }
+    shape = (args.steps, w["max_response_length"], args.prompts, args.n, args.engine_steps)
+    procs = {k: start(model, data, os.path.join(tmp, k), *shape, *v) for k, v in runs.items()}
     stop = threading.Event()
     if args.swap_s > 0 and hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         threading.Thread(target=trade_cores, args=(list(procs.values()), args.swap_s, stop), daemon=True).start()
@@ -169,11 +176,17 @@ def main():
     stop.set()
     results = {}
     for name in runs:
-        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on", args.n)
+        results[name] = s = summary(metrics(os.path.join(tmp, name)), name == "on", args.prompts * args.n)
         print(f"partial {name:3}: {s['tokens_per_s']:7.0f} tokens/s generated ({s['tokens']:.0f} tokens a step, "
               f"rollout {s['rollout_s']:.1f}s) | step {s['step_s']:.2f}s | trained answers: mean length "
               f"{s['len_mean']:.0f}, longest {s['len_max']:.0f}, carried {s['carried']:.2f}, off-policy tokens "
               f"{s['off_policy']:.2f}", flush=True)  # fmt: skip
+        if args.engine_steps:
+            e = engine_steps.summarise(os.path.join(tmp, f"{name}.steps"))
+            print(f"  a rollout's engine steps: {e['steps']:.0f}; prefill {e['prefill_tokens']:.0f} tokens, "
+                  f"{e['prefill_s']:.2f}s; decode {e['decode_steps']:.0f} steps of {e['decode_answers']:.0f} answers "
+                  f"on average, {e['decode_s']:.2f}s, of them {e['tail_steps']:.0f} at fewer than 8 answers, "
+                  f"{e['tail_s']:.2f}s", flush=True)  # fmt: skip
     print(f"both runs together: {time.perf_counter() - t0:.0f}s")
     on, off = (results[k]["tokens_per_s"] for k in ("on", "off"))
     print(f"step time, partial on / off: {results['on']['step_s'] / results['off']['step_s']:.2f}x")

@@ -442,3 +442,39 @@ def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, ca
     (path / "trainer_state.json").write_text(json.dumps(state))
     got = checkpoint.load_checkpoint(str(path), model, optimizer, scheduler, scorer, cfg)
     assert got == {"same_ranks": (2, 1, 37), "other_ranks": (2, 1, 56), "rank_file_without_it": (2, 1, 30)}[case]
+
+
+def test_engine_steps_record_and_summary(tmp_path, monkeypatch):
+    """bench/engine_steps.py, which `bench_partial.py --engine-steps` runs the trainer through: its wrappers on vLLM's
+    engine write a line for each step that ran a batch (requests, tokens, whether requests came since the step
+    before); summarise() starts a call at such a step, leaves the first (the warm-up) out, and tells prefill steps
+    (more tokens than requests, a chunked prefill's later steps too) from decode steps and their tail."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    from bench import engine_steps
+
+    scheduled = iter([{"a": 40, "b": 30}, {"a": 1, "b": 1}, {}])
+    totals = iter([70, 2, 0])
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: SimpleNamespace(
+        num_scheduled_tokens=next(scheduled), total_num_scheduled_tokens=next(totals)))  # fmt: skip
+    monkeypatch.setattr(EngineCore, "step", lambda self: (self.scheduler.schedule(), ({}, True))[1])
+    monkeypatch.setattr(EngineCore, "add_request", lambda self, request, request_wave=0: None)
+    engine_steps.install(str(tmp_path / "recorded.txt"))
+    core = SimpleNamespace(scheduler=object.__new__(Scheduler))
+    EngineCore.add_request(core, "request")
+    assert [EngineCore.step(core) for _ in range(3)] == [({}, True)] * 3
+    lines = [line.split() for line in (tmp_path / "recorded.txt").read_text().splitlines()]
+    assert [line[:3] for line in lines] == [["2", "70", "1"], ["2", "2", "0"]]  # (the empty step wrote nothing)
+
+    steps = tmp_path / "steps.txt"
+    steps.write_text(
+        "10 500 1 0.5\n10 10 0 0.1\n4 4 0 0.1\n"  # the warm-up call
+        "20 300 1 0.03\n20 20 0 0.004\n20 20 0 0.004\n5 5 0 0.002\n"
+        "9 200 1 0.02\n9 100 0 0.01\n9 9 0 0.003\n"  # a prefill over two steps
+    )
+    s = engine_steps.summarise(str(steps))
+    assert s["calls"] == 2 and s["steps"] == 3.5
+    assert s["prefill_tokens"] == 300 and s["prefill_s"] == pytest.approx(0.03)
+    assert s["decode_steps"] == 2 and s["decode_answers"] == 13.5 and s["decode_s"] == pytest.approx(0.0065)
+    assert s["tail_steps"] == 0.5 and s["tail_s"] == pytest.approx(0.001)
