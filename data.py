@@ -57,7 +57,7 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
-from media import image_source, open_image, to_rgb
+from media import file_source, image_source, open_image, to_rgb
 from runtime import Stop
 from video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
@@ -267,11 +267,22 @@ class MissingColumn(Stop):
         super().__init__(f"error: {message}")
 
 
-def looks_like_images(value) -> bool:
-    """A column value as images are stored: an {"bytes", "path"} struct, raw bytes, or a list of them."""
+IMAGE_FILES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+VIDEO_FILES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+
+
+def looks_like_media(value, option: str, base_dir: str | None) -> bool:
+    """A column value as the data's images (option image_key) or videos (video_key) are stored, or a list of them:
+    for images an {"bytes", "path"} struct, raw bytes or the path of an image file that exists (relative to base_dir,
+    the data file's directory); for videos the path of a video file that exists (a struct or bytes could be either,
+    and an image column claims them). A path that names no file is taken for text, as a file name in metadata is."""
     if isinstance(value, (list, tuple)) and value:
         value = value[0]
-    return isinstance(value, (bytes, Image.Image)) or isinstance(value, dict) and "bytes" in value
+    if isinstance(value, str):
+        suffixes = IMAGE_FILES if option == "image_key" else VIDEO_FILES
+        return value.lower().endswith(suffixes) and os.path.isfile(file_source(value, base_dir, "a file"))
+    is_image = isinstance(value, (bytes, Image.Image)) or isinstance(value, dict) and "bytes" in value
+    return option == "image_key" and is_image
 
 
 def row_value(row: dict, key: str):
@@ -404,10 +415,10 @@ class PromptDataset:
         for spec in specs:
             for part in local_files(spec) or [spec]:
                 rows, name = load_rows(part)
-                self.check_keys(rows, name)
+                base_dir = os.path.dirname(part) if os.path.exists(part) else None
+                self.check_keys(rows, name, base_dir)
                 if self.sample_rows and len(rows) > self.sample_rows:
                     rows = rows[:: len(rows) // self.sample_rows][: self.sample_rows]
-                base_dir = os.path.dirname(part) if os.path.exists(part) else None
                 bad = []
                 for i, row in enumerate(rows):
                     try:
@@ -427,7 +438,7 @@ class PromptDataset:
             raise ValueError(f"no usable rows in {', '.join(specs)}: {first_bad or 'no rows at all'}")
         return examples, all_sources, image_sizes, video_tokens
 
-    def check_keys(self, rows: list, name: str) -> None:
+    def check_keys(self, rows: list, name: str, base_dir: str | None) -> None:
         """MissingColumn for a configured key no row of the file has (see the module docstring)."""
         rows = [row for row in rows if isinstance(row, dict)]
         have = sorted({k for row in rows for k in row})
@@ -435,14 +446,17 @@ class PromptDataset:
             key = getattr(self, option)
             if any(row_value(row, key) is not None for row in rows):
                 continue
-            if key == DEFAULT_KEYS.get(option):  # text-only data, unless its images are in another column
-                others = [k for k in have if k not in (self.prompt_key, self.answer_key, self.video_key)]
+            if key == DEFAULT_KEYS.get(option):  # text-only data, unless its images or videos are in another column
+                keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
+                others = [k for k in have if k not in keys]
                 first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in others}
-                images = [k for k in others if option == "image_key" and looks_like_images(first[k])]
-                if not images:
+                media = [k for k in others if looks_like_media(first[k], option, base_dir)]
+                if not media:
                     continue
-                raise MissingColumn(f"{name}: no row has data.{option}={key!r}, but column {images[0]!r} holds "
-                                    f"images: set data.{option}={images[0]} (the file's columns: {have})")  # fmt: skip
+                what = f"{media[0]!r} holds {option[:5]}s: set data.{option}={media[0]}"
+                raise MissingColumn(
+                    f"{name}: no row has data.{option}={key!r}, but column {what} (the file's columns: {have})"
+                )
             raise MissingColumn(f"{name}: no row has data.{option}={key!r}; the file's columns: {have}")
 
     def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, tuple, list, list[int]]:

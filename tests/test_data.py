@@ -257,6 +257,32 @@ def test_a_key_no_row_has_stops_naming_file_key_and_columns(tmp_path, processor,
     assert ds.examples[0].columns == {"level": 2} and rollout.data_media([ds]) == "no images, no videos"
 
 
+def test_a_forgotten_default_key_of_media_as_paths_names_the_column(tmp_path, processor):
+    """Guards against a JSON file whose images or videos are paths, in a column other than the default key, reading
+    as text-only data (rows without marks would train blind) or failing row by row on the marks: the path's suffix
+    names the column, images before videos, and the right keys read them."""
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(png(color="red"))
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"problem": "<image>Find x.", "answer": "1", "image": "imgs/a.png"}) + "\n")
+    with pytest.raises(data.MissingColumn, match="column 'image' holds images: set data.image_key=image"):
+        PromptDataset(str(path), processor, **TINY)
+    ds = PromptDataset(str(path), processor, **TINY, image_key="image")
+    assert ds[0].images[0].getpixel((0, 0)) == (255, 0, 0)
+
+    (tmp_path / "imgs" / "clip.MP4").write_bytes(b"")  # (only found, not read)
+    row = {"problem": "Find x.", "answer": "1", "image": "imgs/a.png", "clip": ["imgs/clip.MP4"], "note": "see a.txt"}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(data.MissingColumn, match="column 'clip' holds videos: set data.video_key=clip"):
+        PromptDataset(str(path), processor, **TINY, image_key="image")
+    # file names that name no file are text (metadata): text and images only, as without them
+    path.write_text(json.dumps({**row, "clip": "clips/gone.mp4"}) + "\n")
+    ds = PromptDataset(str(path), processor, **TINY, image_key="image")
+    assert rollout.data_media([ds]) == "images in 1 prompts (at most 1 a prompt), no videos"
+    path.write_text(json.dumps({"problem": "Find x.", "answer": "1", "source": "figures/gone.png"}) + "\n")
+    assert rollout.data_media([PromptDataset(str(path), processor, **TINY)]) == "no images, no videos"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Images
 # ----------------------------------------------------------------------------------------------------------------
