@@ -17,6 +17,7 @@ Exit 0 only when every check passed. Nothing here needs torch.distributed, a GPU
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 from urllib.parse import urlparse
@@ -117,13 +118,24 @@ def load_reward(cfg):
         raise Failed(f"reward.reward_fn: {e}") from None
 
 
+def optional_parameters(fn) -> set[str]:
+    """The names of fn's parameters that have a default."""
+    return {p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
+
+
 def check_reward(cfg, fn, sample):
     """The reward function grades a sample answer (the sample row's ground truth, boxed) with a valid value."""
     spec, wanted = cfg.reward.reward_fn, keyword_columns(fn)
     truth = sample.answer if sample else "1"
     answer = f"<think>a sample answer</think> The answer is \\boxed{{{truth}}}"
+    given = reward_kwargs(sample, wanted) if sample else {}
+    missing = wanted - given.keys() if sample and wanted is not True else set()
+    unnamed = sorted(missing - optional_parameters(fn)) if missing else []
+    if unnamed:  # (the call's TypeError would say only that an argument is missing)
+        raise Failed(f"reward.reward_fn={spec!r}: its parameter {unnamed[0]!r} has no default and names no column "
+                     f"of data.train_files, nor question or prompt: name a column, or give it a default")  # fmt: skip
     try:
-        result = call_reward(fn, answer, truth, **(reward_kwargs(sample, wanted) if sample else {}))
+        result = call_reward(fn, answer, truth, **given)
     except Exception as e:
         raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})") from None
     asks = "every column" if wanted is True else ", ".join(sorted(wanted)) or "no column"

@@ -15,6 +15,9 @@ def good(response, ground_truth, question, **columns):
 
 def wrong_type(response, ground_truth):
     return "correct"
+
+def wants_level(response, ground_truth, level, source=""):
+    return 1.0
 """
 
 
@@ -57,7 +60,12 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         (
             "reward.reward_fn={dir}/rewards.py:goood",
             "FAIL  reward: reward.reward_fn: reward spec '{dir}/rewards.py:goood': "
-            "{dir}/rewards.py has no function 'goood' (its functions: good, wrong_type)",
+            "{dir}/rewards.py has no function 'goood' (its functions: good, wants_level, wrong_type)",
+        ),
+        (  # a keyword parameter the data has no column for, and no default (`source` has one: no error of its own)
+            "reward.reward_fn={dir}/rewards.py:wants_level",
+            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:wants_level': its parameter 'level' has no default and "
+            "names no column of data.train_files, nor question or prompt: name a column, or give it a default",
         ),
         (
             "reward.reward_fn={dir}/rewards.py:wrong_type",
@@ -78,8 +86,9 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
     ],
 )
 def test_each_mistake_fails_in_one_line_naming_the_key(dry_run, override, expected):
-    """Guards against a misspelled reward function, a reward of the wrong type, a missing data column or an image
-    column no row has reaching the GPUs (the engine's start, the process group) before anything says so."""
+    """Guards against a misspelled reward function, a reward of the wrong type or asking for a column the data does not
+    have, a missing data column or an image column no row has reaching the GPUs (the engine's start, the process
+    group) before anything says so."""
     code, lines = dry_run(override.format(dir=dry_run.dir))
     assert code == 1
     failed = [line for line in lines if line.startswith("FAIL")]
