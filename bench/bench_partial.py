@@ -6,8 +6,8 @@ model, data and seeds, and the rollout throughput of each (tokens generated per 
     python bench/bench_partial.py --workload loop      # a heavier tail: a few answers loop on to the limit
     python bench/bench_partial.py --workload loop --max-response-length 1024   # the same under a longer limit
     python bench/bench_partial.py --n 5                # 5 answers a prompt, as the geo3k recipes draw
-    python bench/bench_partial.py --prompts 3 --n 5    # batches small enough that a decode step costs nearly the
-                                                       # same at a few answers as at all (a GPU's regime)
+    python bench/bench_partial.py --prompts 3 --n 5    # small batches: a full decode step costs ~1.5 times a tail
+                                                       # step here (a GPU's under the recipe: 2-2.5 times)
     python bench/bench_partial.py --engine-steps       # also where each rollout's time goes, engine step by step
 
 The workload has the long tail of reasoning answers on CPU: a tiny random Qwen2.5-VL whose end-of-answer logit is
