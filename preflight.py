@@ -132,8 +132,9 @@ def check_reward(cfg, fn, sample):
     missing = wanted - given.keys() if sample and wanted is not True else set()
     unnamed = sorted(missing - optional_parameters(fn)) if missing else []
     if unnamed:  # (the call's TypeError would say only that an argument is missing)
-        raise Failed(f"reward.reward_fn={spec!r}: its parameter {unnamed[0]!r} has no default and names no column "
-                     f"of data.train_files, nor question or prompt: name a column, or give it a default")  # fmt: skip
+        raise Failed(f"reward.reward_fn={spec!r}: its parameter {unnamed[0]!r} has no default, and the sample row "
+                     f"has no column {unnamed[0]!r} (nor is it question or prompt): name a column of data.train_files, "
+                     f"or give it a default")  # fmt: skip
     try:
         result = call_reward(fn, answer, truth, **given)
     except Exception as e:

@@ -64,8 +64,9 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         ),
         (  # a keyword parameter the data has no column for, and no default (`source` has one: no error of its own)
             "reward.reward_fn={dir}/rewards.py:wants_level",
-            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:wants_level': its parameter 'level' has no default and "
-            "names no column of data.train_files, nor question or prompt: name a column, or give it a default",
+            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:wants_level': its parameter 'level' has no default, and "
+            "the sample row has no column 'level' (nor is it question or prompt): name a column of data.train_files, "
+            "or give it a default",
         ),
         (
             "reward.reward_fn={dir}/rewards.py:wrong_type",
