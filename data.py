@@ -351,7 +351,8 @@ class PromptDataset:
     `n_skipped` counts bad rows, `n_overlong` prompts longer than `max_prompt_length` tokens (dropped when
     `filter_overlong_prompts`). Sets `processor`'s pixel range to [min_pixels, max_pixels] (see module docstring).
     `columns`: the row's columns each Example keeps for the reward (True: all). `sample_rows` > 0 parses only that
-    many rows of each file, spread evenly (a dry run's check); the key check still reads every row.
+    many rows of each file, spread evenly (a dry run's check); the key check still reads every row. `n_rows` counts
+    the files' rows, every one, `n_read` those parsed (fewer with `sample_rows`).
     """
 
     def __init__(
@@ -411,14 +412,16 @@ class PromptDataset:
         """Parse every row of every spec; warn about and count the bad ones; raise if none is usable. Returns the
         examples and per example its (image, video) sources, image sizes and each video's token count."""
         examples, all_sources, image_sizes, video_tokens = [], [], [], []
-        self.n_skipped, first_bad = 0, None
+        self.n_skipped, self.n_rows, self.n_read, first_bad = 0, 0, 0, None
         for spec in specs:
             for part in local_files(spec) or [spec]:
                 rows, name = load_rows(part)
                 base_dir = os.path.dirname(part) if os.path.exists(part) else None
                 self.check_keys(rows, name, base_dir)
+                self.n_rows += len(rows)
                 if self.sample_rows and len(rows) > self.sample_rows:
                     rows = rows[:: len(rows) // self.sample_rows][: self.sample_rows]
+                self.n_read += len(rows)
                 bad = []
                 for i, row in enumerate(rows):
                     try:

@@ -7,7 +7,8 @@ what it saw, "FAIL" with the key to change, or "skip" when a check it needs fail
     model     actor.model_path: the checkpoint's config and processor load (a hub id needs the hub, or its cache
               under HF_HUB_OFFLINE=1; an unreachable hub is one line, not five retries)
     data      data.train_files, data.val_files: the configured keys are columns of the files; a sample of rows
-              parses, its images and videos decode, its prompts fit data.max_prompt_length
+              parses, its images and videos decode, its prompts fit data.max_prompt_length; the train files fill
+              one rollout batch
     reward    reward.reward_fn: it imports, and a call on a sample answer (the sample row's own ground truth,
               boxed) returns a number or a dict with "overall", with the keyword columns it asks for
     tools     rollout.tools: they load and have schemas (train_grpo.check_config loaded them already)
@@ -84,8 +85,10 @@ def check_model(cfg):
     return f"{config.model_type} config and {type(processor).__name__} from {path}", processor
 
 
-def check_data(cfg, processor, columns):
-    """A sample of each data spec's rows, as the run reads them; returns (line, the train sample's datasets)."""
+def check_data(cfg, processor, columns, world):
+    """A sample of each data spec's rows, as the run reads them; returns (line, the train sample's datasets). The train
+    files must fill one rollout batch over `world` ranks, as the run's start checks: exactly when every row was
+    parsed, else by the files' rows (usable ones are at most that many)."""
     kwargs = dataset_kwargs(cfg, processor, columns, sample_rows=SAMPLE_ROWS)
     sets, lines = [], []
     for key in ("train_files", "val_files"):
@@ -99,6 +102,11 @@ def check_data(cfg, processor, columns):
         except (MissingColumn, ValueError, OSError) as e:  # no usable row, no prompt that fits, unreadable file
             raise Failed(f"data.{key}: {str(e).removeprefix('error: ').splitlines()[0]}") from None
         sets.append(dataset)
+        usable = len(dataset) if dataset.n_read == dataset.n_rows else dataset.n_rows
+        if key == "train_files" and usable // world < cfg.data.rollout_batch_size // world:
+            what = f"{usable} usable train prompts" if usable == len(dataset) else f"the {usable} rows of the files"
+            raise Failed(f"data.train_files: {what} are fewer than one rollout batch (data.rollout_batch_size="
+                         f"{cfg.data.rollout_batch_size} over {world} ranks): lower it or add data")  # fmt: skip
         longest = max(ex.num_prompt_tokens for ex in dataset.examples)
         lines.append(f"{key}: {len(dataset)} sampled prompts parse ({dataset.n_skipped} bad rows, "
                      f"{dataset.n_overlong} over max_prompt_length={cfg.data.max_prompt_length}; longest kept "
@@ -168,7 +176,7 @@ def dry_run(cfg, world: int) -> int:
     if processor is None:
         report.append((None, "data", "not checked: it needs the model's processor"))
     else:
-        datasets = run("data", check_data, cfg, processor, keyword_columns(fn) if fn else frozenset())
+        datasets = run("data", check_data, cfg, processor, keyword_columns(fn) if fn else frozenset(), world)
     if fn is None:
         report.append((False, "reward", str(reward_problem)))
     elif keyword_columns(fn) and not datasets:

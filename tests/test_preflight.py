@@ -25,7 +25,7 @@ def wants_level(response, ground_truth, level, source=""):
 def dry_run(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """main([...tiny config..., *overrides, "--dry-run"]) -> (exit code, stdout lines). Nothing may form a process
     group or load weights."""
-    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=8, seed=0)
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)  # (two rollout batches of 16)
     (tmp_path / "rewards.py").write_text(REWARDS)
     monkeypatch.setattr(train_grpo, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
     base = ["configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={data}",
@@ -49,7 +49,7 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
     ]  # fmt: skip
     text = "\n".join(lines)
     assert "fits 2 nodes x 8 GPUs" in text and "world 16" in text  # the world it was told, not one node
-    assert "train_files: 8 sampled prompts parse (0 bad rows" in text and "images in 16 prompts" in text
+    assert "train_files: 32 sampled prompts parse (0 bad rows" in text and "images in 64 prompts" in text
     assert "returns {'overall': 1.0, 'has_images': 1.0} on a sample answer" in text  # the row's columns reached it
     assert lines[-1] == "dry run: 6 of 6 checks passed"
 
@@ -79,6 +79,11 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
             "FAIL  data: data.train_files: {dir}/train.parquet: no row has "
             "data.prompt_key='question'; the file's columns: ['answer', 'images', 'problem']",
         ),
+        (  # a file smaller than the batch, which the run refuses once its ranks have formed and read all the data
+            "data.rollout_batch_size=64",
+            "FAIL  data: data.train_files: 32 usable train prompts are fewer than one rollout batch "
+            "(data.rollout_batch_size=64 over 8 ranks): lower it or add data",
+        ),
         (
             "data.image_key=image",
             "FAIL  data: data.train_files: {dir}/train.parquet: no row has "
@@ -95,6 +100,20 @@ def test_each_mistake_fails_in_one_line_naming_the_key(dry_run, override, expect
     failed = [line for line in lines if line.startswith("FAIL")]
     assert len(failed) == 1 and failed[0].startswith(expected.format(dir=dry_run.dir)), failed
     assert lines[-1] == f"dry run: {4 if 'data.' in override else 5} of 6 checks passed"  # (data: reward not called)
+
+
+def test_a_file_sampled_by_the_dry_run_is_held_to_the_batch_by_its_rows(dry_run, monkeypatch):
+    """Guards against a dry run that parses a sample of a large file measuring the batch against the sample: the
+    usable prompts are at most the file's rows, which then decide (32 rows fill a batch of 16 over 16 ranks)."""
+    monkeypatch.setattr(preflight, "SAMPLE_ROWS", 8)
+    code, lines = dry_run("trainer.nnodes=2", "trainer.n_gpus_per_node=8")
+    assert code == 0 and "train_files: 8 sampled prompts parse" in "\n".join(lines), lines
+    code, lines = dry_run("data.rollout_batch_size=64")
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert code == 1 and failed == [
+        "FAIL  data: data.train_files: the 32 rows of the files are fewer than one rollout batch "
+        "(data.rollout_batch_size=64 over 8 ranks): lower it or add data"
+    ]  # fmt: skip
 
 
 def test_an_unreachable_hub_is_one_line(dry_run, monkeypatch):
