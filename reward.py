@@ -32,7 +32,7 @@ REPO_DIR = Path(__file__).resolve().parent
 DEFAULT_SPEC = "reward.py:compute_score"
 BASE_KEYS = ("overall", "format", "accuracy")
 # the trainer's own reward/<name> metrics: a reward's key of one of these names is not logged again as its own
-RESERVED_KEYS = (*BASE_KEYS, "shaped", "errors", "timeouts", "timeouts_step")
+RESERVED_KEYS = (*BASE_KEYS, "shaped", "errors", "timeouts", "timeouts_step", "zero_std_groups")
 
 # -----------------------------------------------------------------------------
 # the geo3k reward
@@ -322,6 +322,12 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
     if wrong:  # (a NaN would reach the advantage of its whole group)
         raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a finite number")
     return {str(key): float(value) for key, value in result.items()}
+
+
+def equal_reward_groups(overall: list[float], n: int) -> int:
+    """How many of the consecutive groups of n rewards (a prompt's answers) are all equal: their advantages are zero,
+    so they teach the policy nothing (the trainer logs their share as reward/zero_std_groups)."""
+    return sum(len(set(overall[i : i + n])) == 1 for i in range(0, len(overall), n))
 
 
 def keyword_columns(fn: Callable) -> bool | frozenset[str]:

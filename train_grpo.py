@@ -972,6 +972,8 @@ def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
 def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer):
     """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
     loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
+    from reward import equal_reward_groups
+
     world = dist.get_world_size()
     _, prompts, samples, results, filter_stats = batch
     n_updates = stats["actor/optimizer_steps"]
@@ -981,6 +983,8 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
         "reward/shaped": shaped.sum().item(),
         "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
         "reward/format": sum(x.get("format", 0.0) for x in results),
+        # the share of groups whose rewards are all equal (no advantage), as their samples' share
+        "reward/zero_std_groups": equal_reward_groups([x["overall"] for x in results], cfg.rollout.n) * cfg.rollout.n,
         "response_length/mean": float(sum(lengths)),
         "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
     }

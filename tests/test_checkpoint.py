@@ -23,7 +23,7 @@ from tests.launch import REPO, torchrun
 DETERMINISTIC_KEYS = [
     "epoch", "reward/overall", "reward/accuracy", "reward/format", "actor/pg_loss", "actor/kl", "actor/entropy",
     "actor/clip_frac", "actor/grad_norm", "actor/lr", "actor/skipped_steps", "response_length/mean",
-    "response_length/max", "response_length/clip_ratio", "reward/timeouts", "reward/errors",
+    "response_length/max", "response_length/clip_ratio", "reward/timeouts", "reward/errors", "reward/zero_std_groups",
 ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from reward import (  # noqa: E402
     compute_score,
     default_num_workers,
     digit_fraction,
+    equal_reward_groups,
     has_format,
     is_equivalent,
     keyword_columns,
@@ -459,3 +460,12 @@ except ModuleNotFoundError as e:
     out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "geo3k grader: No module named" in out.stdout, out.stdout
+
+
+def test_equal_reward_groups_counts_groups_without_an_advantage():
+    """Guards against reward/zero_std_groups counting answers instead of groups, or groups across prompts: consecutive
+    groups of n, each counted when its n rewards are one value (all right, all wrong, or all the same partial)."""
+    overall = [1.0, 1.0, 0.0, 0.0] + [0.5] * 4 + [0.0] * 4 + [0.0, 0.0, 0.0, 1e-9]
+    assert equal_reward_groups(overall, 4) == 2
+    assert equal_reward_groups(overall, 2) == 7  # (1, 1), (0, 0), (.5, .5) x 2, (0, 0) x 2, (0, 0); not (0, 1e-9)
+    assert equal_reward_groups([], 4) == 0 and equal_reward_groups([0.3], 1) == 1

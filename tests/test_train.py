@@ -142,6 +142,9 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
         assert all(torch.isfinite(torch.tensor(r[k])) for k in required)
     assert "val/accuracy" in rows[0] and "val/accuracy" in train_rows[9] and "val/accuracy" in train_rows[19]
     assert all(r["reward/timeouts_step"] == 0 for r in train_rows)  # the toy reward never hangs
+    # the share of the step's 16 groups (8 a rank) whose rewards are all equal: whole groups over both ranks
+    shares = [r["reward/zero_std_groups"] for r in train_rows]
+    assert all(0 <= share <= 1 and (share * 16).is_integer() for share in shares), shares
     assert all(r["reward/errors"] == 0 for r in train_rows) and "failed to grade" not in stdout
     first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
