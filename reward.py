@@ -325,8 +325,9 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
 
 
 def equal_reward_groups(overall: list[float], n: int) -> int:
-    """How many of the consecutive groups of n rewards (a prompt's answers) are all equal: their advantages are zero,
-    so they teach the policy nothing (the trainer logs their share as reward/zero_std_groups)."""
+    """How many of the consecutive groups of n rewards (a prompt's answers) are all equal: the reward tells their
+    answers apart in no way, and unless an overlong penalty or the KL in the reward does, their advantages are zero
+    and they teach the policy nothing (the trainer logs their share as reward/zero_std_groups)."""
     return sum(len(set(overall[i : i + n])) == 1 for i in range(0, len(overall), n))
 
 

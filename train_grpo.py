@@ -983,7 +983,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
         "reward/shaped": shaped.sum().item(),
         "reward/accuracy": sum(x.get("accuracy", 0.0) for x in results),
         "reward/format": sum(x.get("format", 0.0) for x in results),
-        # the share of groups whose rewards are all equal (no advantage), as their samples' share
+        # the share of groups whose rewards are all equal (no advantage without shaping), as their samples' share
         "reward/zero_std_groups": equal_reward_groups([x["overall"] for x in results], cfg.rollout.n) * cfg.rollout.n,
         "response_length/mean": float(sum(lengths)),
         "response_length/clip_ratio": float(sum(s.truncated for s in samples)),
