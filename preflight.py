@@ -102,9 +102,10 @@ def check_data(cfg, processor, columns, world):
         except (MissingColumn, ValueError, OSError) as e:  # no usable row, no prompt that fits, unreadable file
             raise Failed(f"data.{key}: {str(e).removeprefix('error: ').splitlines()[0]}") from None
         sets.append(dataset)
-        usable = len(dataset) if dataset.n_read == dataset.n_rows else dataset.n_rows
+        sampled = dataset.n_read < dataset.n_rows
+        usable = dataset.n_rows if sampled else len(dataset)
         if key == "train_files" and usable // world < cfg.data.rollout_batch_size // world:
-            what = f"{usable} usable train prompts" if usable == len(dataset) else f"the {usable} rows of the files"
+            what = f"the {usable} rows of the files" if sampled else f"{usable} usable train prompts"
             raise Failed(f"data.train_files: {what} are fewer than one rollout batch (data.rollout_batch_size="
                          f"{cfg.data.rollout_batch_size} over {world} ranks): lower it or add data")  # fmt: skip
         longest = max(ex.num_prompt_tokens for ex in dataset.examples)
