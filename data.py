@@ -563,3 +563,9 @@ class ShardSampler:
         if position + count > len(self.indices(epoch)):
             epoch, position = epoch + 1, 0
         return self.indices(epoch)[position : position + count], epoch, position + count
+
+
+def batches_per_epoch(num_examples: int, world_size: int, rollout_batch_size: int) -> int:
+    """The rollout batches (rollout_batch_size // world_size prompts a rank) that each rank's ShardSampler slice of
+    `num_examples` prompts fills: the run's steps an epoch, 0 when the data is short of one batch."""
+    return (num_examples // world_size) // (rollout_batch_size // world_size)

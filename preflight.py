@@ -24,7 +24,7 @@ import socket
 from urllib.parse import urlparse
 
 import turns
-from data import MissingColumn, PromptDataset, local_files
+from data import MissingColumn, PromptDataset, batches_per_epoch, local_files
 from reward import call_reward, keyword_columns, load_reward_fn, resolve_spec, reward_kwargs
 from rollout import check_prompt_limits, data_media
 from runtime import resolve_path
@@ -104,7 +104,7 @@ def check_data(cfg, processor, columns, world):
         sets.append(dataset)
         sampled = dataset.n_read < dataset.n_rows
         usable = dataset.n_rows if sampled else len(dataset)
-        if key == "train_files" and usable // world < cfg.data.rollout_batch_size // world:
+        if key == "train_files" and batches_per_epoch(usable, world, cfg.data.rollout_batch_size) == 0:
             what = f"the {usable} rows of the files" if sampled else f"{usable} usable train prompts"
             raise Failed(f"data.train_files: {what} are fewer than one rollout batch (data.rollout_batch_size="
                          f"{cfg.data.rollout_batch_size} over {world} ranks): lower it or add data")  # fmt: skip

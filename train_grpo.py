@@ -930,7 +930,7 @@ SHARED_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac",
 def load_datasets(cfg, processor, rank, world, columns):
     """The train prompts, the validation prompts (None without data.val_files), this rank's sampler and the number
     of steps the run takes. `columns`: what each prompt keeps of its row for the reward (RewardScorer.columns)."""
-    from data import PromptDataset, ShardSampler
+    from data import PromptDataset, ShardSampler, batches_per_epoch
 
     d = cfg.data
     # PromptDataset sets the processor's pixel bounds to data.min/max_pixels: trainer and rollout see equal images
@@ -943,7 +943,7 @@ def load_datasets(cfg, processor, rank, world, columns):
             val_set = torch.utils.data.Subset(val_set, range(min(d.val_max_samples, len(val_set))))
 
     sampler = ShardSampler(len(train_set), rank, world, seed=cfg.trainer.seed, shuffle=d.shuffle)
-    steps_per_epoch = len(sampler.indices(0)) // (d.rollout_batch_size // world)
+    steps_per_epoch = batches_per_epoch(len(train_set), world, d.rollout_batch_size)
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(train_set)} train prompts are fewer than one rollout batch "
                          f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data")  # fmt: skip

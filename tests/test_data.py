@@ -17,7 +17,7 @@ from PIL import Image
 
 import data
 import rollout
-from data import PromptDataset, ShardSampler, fit_image, fitted_size, load_rows
+from data import PromptDataset, ShardSampler, batches_per_epoch, fit_image, fitted_size, load_rows
 from media import to_rgb
 from scripts.make_synthetic_data import main as synthetic_main
 from scripts.make_synthetic_data import make_geo3k_like
@@ -418,6 +418,20 @@ def test_shards_disjoint_equal_and_cover_all_but_remainder():
         assert all(len(s) == n // world for s in shards)
         flat = [i for s in shards for i in s]
         assert len(set(flat)) == len(flat) == n - n % world and set(flat) <= set(range(n))
+
+
+def test_batches_per_epoch_counts_the_samplers_batches():
+    """Guards the steps an epoch (and the dry run's "fewer than one rollout batch"): the count must be the batches
+    each rank's sampler gives before its epoch turns, 0 where the shard is short of one."""
+    # (14, 4, 6) and (9, 2, 5): where the prompts over the batch (2, 1) would count otherwise
+    for n, world, batch in [(10, 3, 3), (12, 4, 8), (7, 7, 7), (100, 8, 16), (15, 2, 16), (14, 4, 6), (9, 2, 5)]:
+        sampler, epoch, position, full = ShardSampler(n, world - 1, world, seed=5), 0, 0, 0
+        while True:
+            _, epoch, position = sampler.next_indices(epoch, position, batch // world)
+            if epoch:
+                break
+            full += 1
+        assert batches_per_epoch(n, world, batch) == full, (n, world, batch)
 
 
 def test_shards_deterministic_and_reshuffled_per_epoch():
