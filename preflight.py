@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import turns
 from data import MissingColumn, PromptDataset, batches_per_epoch, local_files
-from reward import call_reward, keyword_columns, load_reward_fn, resolve_spec, reward_kwargs
+from reward import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from rollout import check_prompt_limits, data_media
 from runtime import resolve_path
 
@@ -140,6 +140,9 @@ def check_reward(cfg, fn, sample):
     given = reward_kwargs(sample, wanted) if sample else {}
     missing = wanted - given.keys() if sample and wanted is not True else set()
     unnamed = sorted(missing - optional_parameters(fn)) if missing else []
+    peer = peer_contract(fn)  # a reward written for another trainer: what its failure below means
+    if unnamed and peer:
+        raise Failed(f"reward.reward_fn={spec!r}: {peer}")
     if unnamed:  # (the call's TypeError would say only that an argument is missing)
         raise Failed(f"reward.reward_fn={spec!r}: its parameter {unnamed[0]!r} has no default, and the sample row "
                      f"has no column {unnamed[0]!r} (nor is it question or prompt): name a column of data.train_files, "
@@ -147,7 +150,8 @@ def check_reward(cfg, fn, sample):
     try:
         result = call_reward(fn, answer, truth, **given)
     except Exception as e:
-        raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})") from None
+        raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})"
+                     f"{'; ' + peer if peer else ''}") from None  # fmt: skip
     asks = "every column" if wanted is True else ", ".join(sorted(wanted)) or "no column"
     return f"{spec} returns {result} on a sample answer; it asks for {asks} by keyword", None
 

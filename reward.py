@@ -5,7 +5,8 @@ Rewards for GRPO on Geometry3K, and a scorer that runs any reward function with 
   cheap guards (settle_cheaply) before any symbolic grading.
 - digit_fraction: the toy reward of the CPU demo.
 - load_reward_fn: loads a user reward from a "path/to/file.py:function" spec; call_reward: the contract a reward
-  keeps (a number, or a dict with "overall"); keyword_columns: the row's columns it asks for by keyword.
+  keeps (a number, or a dict with "overall"); keyword_columns: the row's columns it asks for by keyword;
+  peer_contract: how to wrap a reward written for verl, EasyR1 or TRL, said when one fails.
 - RewardScorer: grades batches in persistent worker processes and kills any that hang, and stops the run when every
   answer of a step failed to grade; default_num_workers: how many per rank.
 """
@@ -294,10 +295,18 @@ def load_reward_fn(spec: str) -> Callable[[str, str], dict]:
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses look up their defining module here
+    # Its folder on the import path, as running the file would put it, so that its helper modules import: first
+    # while it loads; then last, for imports inside its calls, where it shadows no module of the trainer's
+    folder = str(path.parent)
+    sys.path.insert(0, folder)
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         raise ValueError(f"reward spec {spec!r}: importing {path} failed: {_describe(e)}") from e
+    finally:
+        sys.path.remove(folder)
+        if folder not in sys.path:
+            sys.path.append(folder)
     fn = getattr(module, name, None)
     if not callable(fn):
         own = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
@@ -314,14 +323,52 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
     if isinstance(result, Real):
         result = {"overall": result}
     if not isinstance(result, dict) or "overall" not in result:
+        verl = isinstance(result, dict) and "score" in result  # (verl's reward managers read a dict's 'score')
         raise TypeError(
             f"the reward function returned {type(result).__name__} {result!r:.100}; it must return a number or a dict "
-            f"with an 'overall' key"
+            f"with an 'overall' key{' (rename its score to overall)' if verl else ''}"
         )
     wrong = [key for key, value in result.items() if not isinstance(value, Real) or not math.isfinite(value)]
     if wrong:  # (a NaN would reach the advantage of its whole group)
         raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a finite number")
     return {str(key): float(value) for key, value in result.items()}
+
+
+def peer_contract(fn: Callable) -> str | None:
+    """How to call fn from this trainer when its signature is another trainer's reward contract, or None. The rewards
+    users bring come from verl, EasyR1 and TRL, and each fails here on its first call with an error of its own that
+    does not say why (a missing argument, a string indexed as a dict, a list returned, another trainer's config key).
+    Read from the parameter names alone, so it only explains a failure: a function that grades is never refused."""
+    try:
+        names = [p.name for p in inspect.signature(fn).parameters.values()]
+    except (TypeError, ValueError):
+        return None
+    f = getattr(fn, "__name__", "fn")
+    wrap = "this trainer calls fn(response, ground_truth) once per answer: wrap it, def score(response, ground_truth"
+    if names[:2] == ["data_source", "solution_str"]:
+        return (
+            f"its parameters are verl's (data_source, solution_str, ground_truth, extra_info); {wrap}): return "
+            f"{f}('<data_source>', response, ground_truth) (a verl dict keeps the reward under 'score')"
+        )
+    if names[:1] == ["reward_inputs"]:
+        return (
+            f"it is EasyR1's batch form (a list of dicts with 'response' and 'ground_truth', a list of scores "
+            f"back); {wrap}): return {f}([{{'response': response, 'ground_truth': ground_truth}}])[0]"
+        )
+    if names[:1] == ["reward_input"]:
+        return (
+            f"it is EasyR1's sequential form (one dict with 'response' and 'ground_truth'); {wrap}): return "
+            f"{f}({{'response': response, 'ground_truth': ground_truth}})"
+        )
+    if "completions" in names[:2]:  # TRL passes every argument by keyword, prompts too
+        prompt = ("prompt", "prompts=[prompt], ") if "prompts" in names else ("", "")
+        return (
+            f"it is TRL's form (lists of completions and of the data's columns, a list of floats back); "
+            f"{wrap}{', ' * bool(prompt[0])}{prompt[0]}): return {f}({prompt[1]}completions=[response], "
+            f"solution=[ground_truth])[0] (its own answer column for solution; chat completions as "
+            f"[[{{'role': 'assistant', 'content': response}}]])"
+        )
+    return None
 
 
 def equal_reward_groups(overall: list[float], n: int) -> int:
@@ -528,9 +575,11 @@ class RewardScorer:
         when every answer of every rank failed, with the function's own error; else the first rank with a failure
         prints its first error, once a step."""
         if everywhere:
+            peer = peer_contract(self.fn)
             raise SystemExit(
                 f"error: step {step}: the reward function failed on every answer, e.g. {self.call_errors[0]}; "
-                f"fix reward.reward_fn={self.fn_spec} (python train_grpo.py CONFIG --dry-run calls it on a sample)"
+                f"{peer + '; ' if peer else ''}fix reward.reward_fn={self.fn_spec} (python train_grpo.py CONFIG "
+                "--dry-run calls it on a sample)"
             )
         if first_rank is not None and self.shown_step != step:
             self.shown_step = step

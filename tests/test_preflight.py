@@ -18,6 +18,9 @@ def wrong_type(response, ground_truth):
 
 def wants_level(response, ground_truth, level, source=""):
     return 1.0
+
+def verl_form(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0
 """
 
 
@@ -60,13 +63,19 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         (
             "reward.reward_fn={dir}/rewards.py:goood",
             "FAIL  reward: reward.reward_fn: reward spec '{dir}/rewards.py:goood': "
-            "{dir}/rewards.py has no function 'goood' (its functions: good, wants_level, wrong_type)",
+            "{dir}/rewards.py has no function 'goood' (its functions: good, verl_form, wants_level, wrong_type)",
         ),
         (  # a keyword parameter the data has no column for, and no default (`source` has one: no error of its own)
             "reward.reward_fn={dir}/rewards.py:wants_level",
             "FAIL  reward: reward.reward_fn='{dir}/rewards.py:wants_level': its parameter 'level' has no default, and "
             "the sample row has no column 'level' (nor is it question or prompt): name a column of data.train_files, "
             "or give it a default",
+        ),
+        (  # verl's parameters: the missing one is not what to fix, the order is
+            "reward.reward_fn={dir}/rewards.py:verl_form",
+            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:verl_form': its parameters are verl's (data_source, "
+            "solution_str, ground_truth, extra_info); this trainer calls fn(response, ground_truth) once per answer: "
+            "wrap it, def score(response, ground_truth): return verl_form('<data_source>', response, ground_truth)",
         ),
         (
             "reward.reward_fn={dir}/rewards.py:wrong_type",

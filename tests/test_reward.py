@@ -22,6 +22,7 @@ from reward import (  # noqa: E402
     keyword_columns,
     last_boxed,
     load_reward_fn,
+    peer_contract,
 )
 
 # -----------------------------------------------------------------------------
@@ -393,6 +394,86 @@ def test_isolated_failures_print_the_first_error_once_a_step(user_spec, capsys):
     out = capsys.readouterr().out
     assert out.count("reward: step") == 1 and "step 3: 1 of 2 answers on rank 0 failed to grade" in out
     assert "RuntimeError: bad input (on the answer 'raise')" in out
+
+
+# Rewards as verl, EasyR1 (batch and sequential) and TRL call them, as users bring them
+PEER_REWARDS = """
+def verl_form(data_source, solution_str, ground_truth, extra_info=None):
+    return float(ground_truth in solution_str)
+
+def easyr1_batch(reward_inputs, format_weight=0.1):
+    if not isinstance(reward_inputs, list):
+        raise ValueError("Please use `reward_type=batch` for this reward function.")
+    return [{"overall": float(x["ground_truth"] in x["response"]), "accuracy": 1.0} for x in reward_inputs]
+
+def easyr1_sequential(reward_input, format_weight=0.5):
+    return {"overall": float(reward_input["ground_truth"] in reward_input["response"])}
+
+def trl_form(completions, solution, **kwargs):
+    return [float(s in c) for c, s in zip(completions, solution)]
+
+def trl_with_prompts(prompts, completions, solution):
+    assert all("question" in p for p in prompts)
+    return [float(s in c) for c, s in zip(completions, solution)]
+
+def verl_dict(response, ground_truth):
+    return {"score": float(ground_truth in response), "acc": 1.0}
+"""
+
+
+@pytest.mark.parametrize(
+    "name, form",
+    [
+        ("verl_form", "verl's"),
+        ("easyr1_batch", "EasyR1's batch form"),
+        ("easyr1_sequential", "EasyR1's sequential form"),
+        ("trl_form", "TRL's form"),
+        ("trl_with_prompts", "TRL's form"),
+    ],
+)
+def test_a_reward_written_for_another_trainer_is_named_with_a_wrapper_that_grades(tmp_path, name, form):
+    """Guards against a reward brought from verl, EasyR1 or TRL stopping the run with an error of its own (a missing
+    argument, a string indexed as a dict, a list returned, another trainer's config key) that does not say why: the
+    stop names the form and the wrapper to write, and that wrapper, run as written, grades."""
+    (tmp_path / "peer.py").write_text(PEER_REWARDS)
+    spec = f"{tmp_path / 'peer.py'}:{name}"
+    with RewardScorer(spec, timeout=None) as scorer:
+        scorer.score(["the answer is 3", "no"], ["3", "3"])
+        assert scorer.all_failed()
+        with pytest.raises(SystemExit) as stop:
+            scorer.report_failures(1, everywhere=True, first_rank=0, rank=0)
+    assert form in str(stop.value) and f"reward.reward_fn={spec}" in str(stop.value)
+    fn = load_reward_fn(spec)
+    code = peer_contract(fn).split("wrap it, ", 1)[1].split(" (")[0]  # "def score(response, ground_truth): ..."
+    namespace = {name: fn}
+    exec(code, namespace)
+    score, columns = namespace["score"], {"prompt": "the question"}  # (a column it asks for: the chat text)
+    columns = {k: v for k, v in columns.items() if k in keyword_columns(score)}
+    assert [call_reward(score, r, "3", **columns)["overall"] for r in ("the answer is 3", "no")] == [1.0, 0.0]
+
+
+def test_a_reward_that_grades_is_no_peer_s_and_a_verl_score_dict_is_named():
+    """Guards against the peer check naming a function of this trainer's contract, and a verl-style dict (its reward
+    under 'score') failing without the key it needs."""
+    assert peer_contract(digit_fraction) is None and peer_contract(compute_score) is None
+    with pytest.raises(TypeError, match="rename its score to overall"):
+        call_reward(lambda response, ground_truth: {"score": 1.0}, "a", "b")
+
+
+def test_a_reward_imports_the_modules_beside_it(tmp_path):
+    """Guards against a reward file that imports its own helper module (beside it, as a script would) failing with
+    ModuleNotFoundError in the trainer and in its grading processes, at load and inside its calls; and against its
+    folder shadowing the trainer's modules once it has loaded."""
+    (tmp_path / "beside_grading.py").write_text("def same(a, b):\n    return float(a == b)\n")
+    (tmp_path / "beside_weight.py").write_text("WEIGHT = 2.0\n")
+    (tmp_path / "graded.py").write_text(
+        "from beside_grading import same\n\n\ndef score(response, ground_truth):\n"
+        "    import beside_weight\n\n    return same(response, ground_truth) * beside_weight.WEIGHT\n"
+    )
+    for timeout in (None, 5.0):  # here, and in the grading processes
+        with RewardScorer(f"{tmp_path / 'graded.py'}:score", timeout=timeout) as scorer:
+            assert [r["overall"] for r in scorer.score(["3", "4"], ["3", "3"])] == [2.0, 0.0]
+    assert sys.path.index(str(tmp_path)) > 0 and sys.path[-1] == str(tmp_path)
 
 
 def test_a_misspelled_function_lists_the_file_s_functions(contract_file):
