@@ -267,6 +267,14 @@ class MissingColumn(Stop):
         super().__init__(f"error: {message}")
 
 
+class RepeatedInstruction(Stop):
+    """Rows that already carry the format prompt's instruction (verl's and others' preprocessed files append it to
+    the question): the template would give it twice, and the run would train on prompts its recipe never had."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
+
 IMAGE_FILES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 VIDEO_FILES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
 
@@ -283,6 +291,20 @@ def looks_like_media(value, option: str, base_dir: str | None) -> bool:
         return value.lower().endswith(suffixes) and os.path.isfile(file_source(value, base_dir, "a file"))
     is_image = isinstance(value, (bytes, Image.Image)) or isinstance(value, dict) and "bytes" in value
     return option == "image_key" and is_image
+
+
+def column_for(option: str, first: dict, base_dir: str | None) -> tuple[str, str] | None:
+    """The column (key, what it holds) that data.{option} should name when the configured one is absent, from each
+    other column's first value (`first`): chat messages for the prompt, a struct's `ground_truth` for the answer
+    (verl's layout for both), images or videos for theirs (looks_like_media)."""
+    for k, value in first.items():
+        if option == "prompt_key" and chat_turns(value) is not None:
+            return k, f"{k!r} holds chat messages"
+        if option == "answer_key" and isinstance(value, dict) and value.get("ground_truth") is not None:
+            return f"{k}.ground_truth", f"{k!r} holds a ground_truth"
+        if option in ("image_key", "video_key") and looks_like_media(value, option, base_dir):
+            return k, f"{k!r} holds {option[:5]}s"
+    return None
 
 
 def row_value(row: dict, key: str):
@@ -394,6 +416,7 @@ class PromptDataset:
         self.columns, self.sample_rows = columns, sample_rows
 
         examples, sources, image_sizes, video_tokens = self.read_examples(specs)
+        self.check_instruction(examples, format_prompt, specs)
         self.image_sources, self.video_sources = [s[0] for s in sources], [s[1] for s in sources]
         count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels, video_tokens)
         keep = [ex.num_prompt_tokens <= max_prompt_length for ex in examples]
@@ -407,6 +430,20 @@ class PromptDataset:
             if not examples:
                 raise ValueError(f"no prompt in {', '.join(specs)} fits max_prompt_length={max_prompt_length}")
         self.examples = examples
+
+    def check_instruction(self, examples: list[Example], format_prompt: str | None, specs: list[str]) -> None:
+        """RepeatedInstruction when a problem already holds what the template adds around it (whitespace aside); a
+        template that adds under 20 characters is no instruction to look for."""
+        words = " ".join(self.template.render(content="").split()) if self.template else ""
+        if len(words) < 20:
+            return
+        repeated = [ex for ex in examples if words in " ".join(ex.problem.split())]
+        if repeated:
+            raise RepeatedInstruction(
+                f"{', '.join(specs)}: {len(repeated)} of {len(examples)} prompts already hold data.format_prompt's "
+                f"instruction ({format_prompt}), as preprocessed files often do ({repeated[0].source}): it would be "
+                f"given twice; set data.format_prompt= (empty) for these files"
+            )
 
     def read_examples(self, specs: list[str]) -> tuple[list[Example], list, list, list[list[int]]]:
         """Parse every row of every spec; warn about and count the bad ones; raise if none is usable. Returns the
@@ -442,25 +479,24 @@ class PromptDataset:
         return examples, all_sources, image_sizes, video_tokens
 
     def check_keys(self, rows: list, name: str, base_dir: str | None) -> None:
-        """MissingColumn for a configured key no row of the file has (see the module docstring)."""
+        """MissingColumn for the configured keys no row of the file has (see the module docstring), each with the
+        column that holds what it should name, where one does: every fix in one message."""
         rows = [row for row in rows if isinstance(row, dict)]
         have = sorted({k for row in rows for k in row})
-        for option in ("prompt_key", "answer_key", "image_key", "video_key"):
-            key = getattr(self, option)
+        keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
+        first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in have if k not in keys}
+        clauses = []
+        for option, key in zip(("prompt_key", "answer_key", "image_key", "video_key"), keys):
             if any(row_value(row, key) is not None for row in rows):
                 continue
-            if key == DEFAULT_KEYS.get(option):  # text-only data, unless its images or videos are in another column
-                keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
-                others = [k for k in have if k not in keys]
-                first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in others}
-                media = [k for k in others if looks_like_media(first[k], option, base_dir)]
-                if not media:
-                    continue
-                what = f"{media[0]!r} holds {option[:5]}s: set data.{option}={media[0]}"
-                raise MissingColumn(
-                    f"{name}: no row has data.{option}={key!r}, but column {what} (the file's columns: {have})"
-                )
-            raise MissingColumn(f"{name}: no row has data.{option}={key!r}; the file's columns: {have}")
+            found = column_for(option, first, base_dir)
+            if found is None and key == DEFAULT_KEYS.get(option):  # text-only data: no images (videos) anywhere
+                continue
+            clause = f"no row has data.{option}={key!r}"
+            clauses.append(f"{clause}, but column {found[1]}: set data.{option}={found[0]}" if found else clause)
+        if clauses:
+            columns = f" (the file's columns: {have})" if ": set " in clauses[-1] else f"; the file's columns: {have}"
+            raise MissingColumn(f"{name}: {'; '.join(clauses)}{columns}")
 
     def parse_row(self, row, source: str, base_dir: str | None) -> tuple[Example, tuple, list, list[int]]:
         """Check one row; return its Example (images and videos still empty), its (image, video) sources, original

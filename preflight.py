@@ -24,7 +24,7 @@ import socket
 from urllib.parse import urlparse
 
 import turns
-from data import MissingColumn, PromptDataset, batches_per_epoch, local_files
+from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
 from reward import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from rollout import check_prompt_limits, data_media
 from runtime import resolve_path
@@ -99,7 +99,7 @@ def check_data(cfg, processor, columns, world):
             need_hub(f"data.{key}", spec)
         try:
             dataset = PromptDataset(spec, processor, **kwargs)
-        except (MissingColumn, ValueError, OSError) as e:  # no usable row, no prompt that fits, unreadable file
+        except (MissingColumn, RepeatedInstruction, ValueError, OSError) as e:  # (no usable row, an unreadable file)
             raise Failed(f"data.{key}: {str(e).removeprefix('error: ').splitlines()[0]}") from None
         sets.append(dataset)
         sampled = dataset.n_read < dataset.n_rows

@@ -231,9 +231,21 @@ def test_all_bad_file_raises_naming_it(tmp_path, processor):
 @pytest.mark.parametrize(
     "keys, message",
     [
-        ({"prompt_key": "question"}, "no row has data.prompt_key='question'; the file's columns: ['answer', 'image', "),
-        ({"answer_key": "solution"}, "no row has data.answer_key='solution'; the file's columns: ['answer', 'image', "),
-        ({"image_key": "figure"}, "no row has data.image_key='figure'; the file's columns: ['answer', 'image', "),
+        # every key the file lacks, in one message: here the images' default key too
+        (
+            {"prompt_key": "question"},
+            "no row has data.prompt_key='question'; no row has data.image_key='images', but column 'image' holds "
+            "images: set data.image_key=image (the file's columns: ['answer', 'image', ",
+        ),
+        (
+            {"answer_key": "solution", "image_key": "image"},
+            "no row has data.answer_key='solution'; the file's columns: ['answer', 'image', ",
+        ),
+        (  # a misspelled key, the column with images named
+            {"image_key": "figure"},
+            "no row has data.image_key='figure', but column 'image' holds images: set data.image_key=image (the "
+            "file's columns: ['answer', 'image', ",
+        ),
         (
             {"video_key": "clips", "image_key": "image"},
             "no row has data.video_key='clips'; the file's columns: ['answer', 'image', ",
@@ -255,6 +267,29 @@ def test_a_key_no_row_has_stops_naming_file_key_and_columns(tmp_path, processor,
     text = write_parquet(tmp_path / "text.parquet", [{"problem": "Find x.", "answer": "1", "level": 2}])
     ds = PromptDataset(text, processor, **TINY, columns={"level"})  # text-only data: the default keys may be absent
     assert ds.examples[0].columns == {"level": 2} and rollout.data_media([ds]) == "no images, no videos"
+
+
+def test_a_peer_layout_names_the_keys_and_a_repeated_instruction_stops(tmp_path, processor):
+    """Guards against a verl-preprocessed file read with the default keys failing one key at a time without saying
+    which columns hold the prompt and the answer, and, once read, training on prompts that carry the format prompt's
+    instruction twice (verl's rows end with it, and the template adds it again)."""
+    rows = verl_geo3k_rows([good_row(problem="<image>Find x.") for _ in range(3)])
+    path = write_parquet(tmp_path / "verl.parquet", rows)
+    with pytest.raises(data.MissingColumn, match=re.escape(
+        f"{path}: no row has data.prompt_key='problem', but column 'prompt' holds chat messages: set "
+        "data.prompt_key=prompt; no row has data.answer_key='answer', but column 'reward_model' holds a "
+        "ground_truth: set data.answer_key=reward_model.ground_truth (the file's columns: ['ability', "
+    )):  # fmt: skip
+        PromptDataset(path, processor, **TINY)
+    keys = {"prompt_key": "prompt", "answer_key": "reward_model.ground_truth"}
+    with pytest.raises(data.RepeatedInstruction, match=re.escape(
+        f"{path}: 3 of 3 prompts already hold data.format_prompt's instruction ({GEO3K_PROMPT}), as preprocessed "
+        f"files often do ({path}:0): it would be given twice; set data.format_prompt= (empty) for these files"
+    )):  # fmt: skip
+        PromptDataset(path, processor, **TINY, **keys, format_prompt=GEO3K_PROMPT)
+    assert PromptDataset(path, processor, **TINY, **keys).examples[0].problem.endswith(SUFFIX.strip())
+    plain = write_parquet(tmp_path / "plain.parquet", [good_row(problem="<image>Find x.")])
+    assert "MUST BE" in PromptDataset(plain, processor, **TINY, format_prompt=GEO3K_PROMPT).examples[0].prompt
 
 
 def test_a_forgotten_default_key_of_media_as_paths_names_the_column(tmp_path, processor):

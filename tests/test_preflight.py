@@ -95,8 +95,8 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         ),
         (
             "data.image_key=image",
-            "FAIL  data: data.train_files: {dir}/train.parquet: no row has "
-            "data.image_key='image'; the file's columns: ['answer', 'images', 'problem']",
+            "FAIL  data: data.train_files: {dir}/train.parquet: no row has data.image_key='image', but column "
+            "'images' holds images: set data.image_key=images (the file's columns: ['answer', 'images', 'problem'])",
         ),
     ],
 )
