@@ -319,9 +319,11 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
 
     A number is the overall reward; a dict needs an "overall" key, and every value must be a number. `columns` are
     the keyword arguments the function asked for (keyword_columns)."""
-    result = fn(response, ground_truth, **columns)
+    result = _number(fn(response, ground_truth, **columns))
     if isinstance(result, Real):
         result = {"overall": result}
+    if isinstance(result, dict):
+        result = {key: _number(value) for key, value in result.items()}
     if not isinstance(result, dict) or "overall" not in result:
         verl = isinstance(result, dict) and "score" in result  # (verl's reward managers read a dict's 'score')
         raise TypeError(
@@ -332,6 +334,15 @@ def call_reward(fn: Callable, response: str, ground_truth: str, **columns) -> di
     if wrong:  # (a NaN would reach the advantage of its whole group)
         raise TypeError(f"the reward function's {wrong[0]!r} is {result[wrong[0]]!r:.100}, not a finite number")
     return {str(key): float(value) for key, value in result.items()}
+
+
+def _number(value):
+    """A one-value array or tensor as its number (numpy's bool, a 0-d array, a 0-d torch tensor, as comparisons and
+    reductions return them: .item()); anything else as it is."""
+    item = getattr(value, "item", None)
+    if not isinstance(value, Real) and callable(item) and tuple(getattr(value, "shape", (None,))) == ():
+        return item()
+    return value
 
 
 def peer_contract(fn: Callable) -> str | None:

@@ -322,9 +322,17 @@ def test_call_reward_takes_a_number_or_a_dict_with_overall():
     assert call_reward(lambda r, g: 0.25, "x", "y") == {"overall": 0.25}
     assert call_reward(lambda r, g: 1, "x", "y") == {"overall": 1.0}
     assert call_reward(lambda r, g: {"overall": 1, "format": 0.5}, "x", "y") == {"overall": 1.0, "format": 0.5}
+    # one value as numpy and torch compute it (a comparison's numpy bool, a reduction's 0-d tensor)
+    import numpy as np
+    import torch
+
+    got = call_reward(lambda r, g: {"overall": np.bool_(True), "format": torch.tensor(0.5)}, "x", "y")
+    assert got == {"overall": 1.0, "format": 0.5} and all(type(v) is float for v in got.values())
+    assert call_reward(lambda r, g: np.array(0.25), "x", "y") == {"overall": 0.25}
     for value, message in (("1.0", "returned str '1.0'"), ({"accuracy": 1.0}, "returned dict"),
                            (None, "returned NoneType"), ({"overall": 1.0, "note": "x"}, "'note' is 'x'"),
-                           (float("nan"), "'overall' is nan, not a finite number")):  # fmt: skip
+                           (float("nan"), "'overall' is nan, not a finite number"),
+                           (torch.tensor([1.0, 0.0]), "returned Tensor")):  # fmt: skip
         with pytest.raises(TypeError, match=re.escape(message)):
             call_reward(lambda r, g, v=value: v, "x", "y")
 
