@@ -132,9 +132,18 @@ def optional_parameters(fn) -> set[str]:
     return {p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
 
 
-def check_reward(cfg, fn, sample):
-    """The reward function grades a sample answer (the sample row's ground truth, boxed) with a valid value."""
+def check_reward(cfg, fn, sample, answer_value=None):
+    """The reward function grades a sample answer (the sample row's ground truth, boxed) with a valid value; an
+    answer column of lists or structs (`answer_value`, the file's first) reaches it only as their text, unless it
+    takes that column by keyword."""
     spec, wanted = cfg.reward.reward_fn, keyword_columns(fn)
+    key = cfg.data.answer_key
+    if isinstance(answer_value, (list, dict)) and wanted is not True and key.split(".")[0] not in wanted:
+        fix = (f"set data.answer_key={key}.ground_truth" if isinstance(answer_value, dict) and "ground_truth" in
+               answer_value else f"name a column of text, or give the reward a parameter {key.split('.')[0]!r}, "
+               "which gets the column as the file has it")  # fmt: skip
+        raise Failed(f"reward.reward_fn={spec!r}: data.answer_key={key!r} holds a {type(answer_value).__name__} "
+                     f"({answer_value!r:.80}), and the reward gets its text as ground_truth: {fix}")  # fmt: skip
     truth = sample.answer if sample else "1"
     answer = f"<think>a sample answer</think> The answer is \\boxed{{{truth}}}"
     given = reward_kwargs(sample, wanted) if sample else {}
@@ -187,7 +196,8 @@ def dry_run(cfg, world: int) -> int:
     elif keyword_columns(fn) and not datasets:
         report.append((None, "reward", "not called: it asks for the row's columns, and no data sample was read"))
     else:
-        run("reward", check_reward, cfg, fn, datasets[0].examples[0] if datasets else None)
+        sample = (datasets[0].examples[0], datasets[0].answer_value) if datasets else (None, None)
+        run("reward", check_reward, cfg, fn, *sample)
     report.append((True, "tools", ", ".join(cfg.rollout.tools) or "none (rollout.tools)"))
     for ok, name, line in report:  # ok: True passed, False failed, None not checked (a check it needs failed)
         print(f"{ {True: 'ok  ', False: 'FAIL', None: 'skip'}[ok] }  {name}: {line}", flush=True)

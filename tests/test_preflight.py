@@ -21,6 +21,12 @@ def wants_level(response, ground_truth, level, source=""):
 
 def verl_form(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0
+
+def exact(response, ground_truth):
+    return float(ground_truth in response)
+
+def any_of(response, ground_truth, answer):
+    return float(any(a in response for a in answer))
 """
 
 
@@ -63,7 +69,8 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         (
             "reward.reward_fn={dir}/rewards.py:goood",
             "FAIL  reward: reward.reward_fn: reward spec '{dir}/rewards.py:goood': "
-            "{dir}/rewards.py has no function 'goood' (its functions: good, verl_form, wants_level, wrong_type)",
+            "{dir}/rewards.py has no function 'goood' (its functions: any_of, exact, good, verl_form, wants_level, "
+            "wrong_type)",
         ),
         (  # a keyword parameter the data has no column for, and no default (`source` has one: no error of its own)
             "reward.reward_fn={dir}/rewards.py:wants_level",
@@ -123,6 +130,38 @@ def test_a_file_sampled_by_the_dry_run_is_held_to_the_batch_by_its_rows(dry_run,
         "FAIL  data: data.train_files: the 32 rows of the files are fewer than one rollout batch "
         "(data.rollout_batch_size=64 over 8 ranks): lower it or add data"
     ]  # fmt: skip
+
+
+def test_an_answer_column_of_lists_or_structs_is_named_unless_the_reward_reads_it(dry_run):
+    """Guards against answers stored as lists or structs reaching the reward as their text ("['48']", "{'style': ...}")
+    and grading every answer wrong (or, with a substring match, passing the dry run's boxed sample): the dry run says
+    so, unless the reward takes the column by keyword, as it is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(dry_run.dir / "train.parquet").to_pylist()
+    lists, structs = dry_run.dir / "lists.parquet", dry_run.dir / "structs.parquet"
+    pq.write_table(pa.Table.from_pylist([{**r, "answer": [r["answer"]]} for r in rows]), lists)
+    struct = [{**r, "answer": {"style": "rule", "ground_truth": r["answer"]}} for r in rows]
+    pq.write_table(pa.Table.from_pylist(struct), structs)
+    reward = f"reward.reward_fn={dry_run.dir / 'rewards.py'}"
+    fixes = {
+        lists: "name a column of text, or give the reward a parameter 'answer', which gets the column as the file "
+        "has it",
+        structs: "set data.answer_key=answer.ground_truth",
+    }
+    for data, fix in fixes.items():
+        code, lines = dry_run(f"data.train_files={data}", f"data.val_files={data}", f"{reward}:exact")
+        failed = [line for line in lines if line.startswith("FAIL")]
+        assert code == 1 and len(failed) == 1 and failed[0].startswith("FAIL  reward: "), lines
+        assert "data.answer_key='answer' holds a " in failed[0] and failed[0].endswith(fix), failed
+    code, lines = dry_run(f"data.train_files={lists}", f"data.val_files={lists}", f"{reward}:any_of")
+    assert code == 0 and "returns {'overall': 1.0} on a sample answer; it asks for answer by keyword" in "\n".join(
+        lines
+    )
+    fixed = ["data.answer_key=answer.ground_truth", f"{reward}:exact"]
+    code, lines = dry_run(f"data.train_files={structs}", f"data.val_files={structs}", *fixed)
+    assert code == 0, lines
 
 
 def test_an_unreachable_hub_is_one_line(dry_run, monkeypatch):
