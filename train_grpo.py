@@ -322,13 +322,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
 def check_config(cfg: Config, world_size: int) -> None:
     """Reject choices that cannot work before any model loads, naming the numbers to change."""
-    d, a, r = cfg.data, cfg.actor, cfg.rollout
-    if cfg.algorithm.adv_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator!r}; valid: {list(ADVANTAGE_ESTIMATORS)}"
-        )
-    if cfg.algorithm.kl_penalty not in KL_PENALTIES:
-        raise ConfigError(f"algorithm.kl_penalty={cfg.algorithm.kl_penalty!r}; valid: {list(KL_PENALTIES)}")
+    d, a, r, alg = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm
+    if alg.adv_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator!r}; valid: {list(ADVANTAGE_ESTIMATORS)}")
+    if r.n == 1 and alg.adv_estimator != "reinforce_plus_plus":  # (a group estimator, and groups of one)
+        raise ConfigError("rollout.n=1: with one answer a prompt every advantage is 0 and nothing is learned: "
+                          "set rollout.n >= 2, or algorithm.adv_estimator=reinforce_plus_plus")  # fmt: skip
+    if alg.kl_penalty not in KL_PENALTIES:
+        raise ConfigError(f"algorithm.kl_penalty={alg.kl_penalty!r}; valid: {list(KL_PENALTIES)}")
     if a.policy_loss not in POLICY_LOSSES:
         raise ConfigError(f"actor.policy_loss={a.policy_loss!r}; valid: {list(POLICY_LOSSES)}")
     if cfg.reward.num_workers < 0:

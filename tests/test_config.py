@@ -110,6 +110,17 @@ def test_lora_settings_that_cannot_work(overrides, message):
     check_config(load_config(None, ["actor.lora_rank=8"]), world_size=8)  # the defaults with LoRA on are valid
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "grpo_passk"])
+def test_one_answer_a_prompt_with_a_group_estimator_is_refused(estimator):
+    """Guards against rollout.n=1 with an estimator that compares a prompt's answers among themselves: every
+    advantage is 0, and the run would train for days on the KL term alone with nothing said. REINFORCE++ whitens
+    over the whole batch and learns from one answer a prompt."""
+    overrides = ["rollout.n=1", f"algorithm.adv_estimator={estimator}"]
+    with pytest.raises(ConfigError, match=r"rollout\.n=1: with one answer a prompt every advantage is 0"):
+        check_config(load_config(None, overrides), world_size=8)
+    check_config(load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"]), world_size=8)
+    check_config(load_config(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=2"]), world_size=8)
+
 def test_router_balance_weight_that_cannot_work(tiny_model_dir, tiny_family_dir, capsys):
     """Guards against a load-balancing weight that would push experts toward imbalance (negative), or that a dense
     model would silently ignore, having no routers: both stop before anything loads, naming the key."""
