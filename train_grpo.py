@@ -301,8 +301,11 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 
     cfg = Config()
     if path:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:  # a missing file, or YAML that does not parse: one line, no traceback
+            raise ConfigError(f"{path}: {getattr(e, 'strerror', None) or ' '.join(str(e).split())}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections")
         for section, values in tree.items():
@@ -315,7 +318,10 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         if not sep or dotted.count(".") != 1:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         section, key = dotted.split(".")
-        value = yaml.safe_load(raw) if raw else ""
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: {' '.join(str(e).split())}") from None
         _apply(cfg, section, key, raw if isinstance(value, (int, float)) and "_" in raw else value)  # YAML: 1_2 = 12
     return cfg
 
@@ -347,21 +353,11 @@ def check_config(cfg: Config, world_size: int) -> None:
                 f"trainer.logger includes {name} but {LOGGERS[name]} is not installed: pip install {LOGGERS[name]}"
                 + (" (WANDB_MODE=offline logs without network)" if name == "wandb" else "")
             )
-    positive = {
-        "data.rollout_batch_size": d.rollout_batch_size,
-        "actor.global_batch_size": a.global_batch_size,
-        "actor.micro_batch_size": a.micro_batch_size,
-        "rollout.n": r.n,
-        "actor.ppo_epochs": a.ppo_epochs,
-        "actor.micro_batch_size_no_grad": a.micro_batch_size_no_grad,
-        "rollout.val_n": r.val_n,
-        "rollout.max_turns": r.max_turns,
-        "data.max_response_length": d.max_response_length,
-        "data.val_batch_size": d.val_batch_size,
-        "trainer.collective_timeout_s": cfg.trainer.collective_timeout_s,
-    }
-    for name, value in positive.items():
-        if value <= 0:
+    for name in ("data.rollout_batch_size actor.global_batch_size actor.micro_batch_size rollout.n actor.ppo_epochs "
+                 "actor.micro_batch_size_no_grad rollout.val_n rollout.max_turns data.max_response_length "
+                 "data.val_batch_size trainer.collective_timeout_s").split():  # fmt: skip
+        section, key = name.split(".")
+        if (value := getattr(getattr(cfg, section), key)) <= 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
     if r.tools and (problem := turns.tools.tools_problem(r.tools)):  # a tool that cannot load or be shown to the model
         raise ConfigError(f"rollout.tools: {problem}")

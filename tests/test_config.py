@@ -75,6 +75,23 @@ def test_cli_fails_on_bad_config_before_loading_anything(capsys):
     assert "rollout.nn" in capsys.readouterr().err
 
 
+def test_a_config_file_that_does_not_read_is_one_line(tmp_path, capsys):
+    """Guards against a mistyped config path, a YAML indentation slip or an unclosed list on the command line ending
+    in a traceback (one from every rank under torchrun) instead of the config error line, naming file and place."""
+    (tmp_path / "indent.yaml").write_text("data:\n  train_files: x.parquet\n rollout:\n  n: 4\n")
+    cases = [
+        ([str(tmp_path / "indent.yaml")], f"{tmp_path / 'indent.yaml'}: while parsing a block mapping"),
+        ([str(tmp_path / "missing.yaml")], f"{tmp_path / 'missing.yaml'}: No such file or directory"),
+        (["configs/tiny.yaml", "data.train_files=[a,b"], "override 'data.train_files=[a,b': while parsing a flow"),
+    ]
+    for argv, message in cases:
+        assert main([*argv, "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"config error: {message}") and err.count("\n") == 1, err
+    with pytest.raises(ConfigError, match="line 3, column 2"):
+        load_config(str(tmp_path / "indent.yaml"))
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -120,6 +137,7 @@ def test_one_answer_a_prompt_with_a_group_estimator_is_refused(estimator):
         check_config(load_config(None, overrides), world_size=8)
     check_config(load_config(None, ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"]), world_size=8)
     check_config(load_config(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=2"]), world_size=8)
+
 
 def test_router_balance_weight_that_cannot_work(tiny_model_dir, tiny_family_dir, capsys):
     """Guards against a load-balancing weight that would push experts toward imbalance (negative), or that a dense
