@@ -149,8 +149,8 @@ def check_reward(cfg, fn, sample, answer_value=None):
     given = reward_kwargs(sample, wanted) if sample else {}
     missing = wanted - given.keys() if sample and wanted is not True else set()
     unnamed = sorted(missing - optional_parameters(fn)) if missing else []
-    peer = peer_contract(fn)  # a reward written for another trainer: what its failure below means
-    if unnamed and peer:
+    peer = peer_contract(fn)  # its first parameter would get the answer's text; a lucky call could even grade
+    if peer:
         raise Failed(f"reward.reward_fn={spec!r}: {peer}")
     if unnamed:  # (the call's TypeError would say only that an argument is missing)
         raise Failed(f"reward.reward_fn={spec!r}: its parameter {unnamed[0]!r} has no default, and the sample row "
@@ -159,8 +159,7 @@ def check_reward(cfg, fn, sample, answer_value=None):
     try:
         result = call_reward(fn, answer, truth, **given)
     except Exception as e:
-        raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})"
-                     f"{'; ' + peer if peer else ''}") from None  # fmt: skip
+        raise Failed(f"reward.reward_fn={spec!r}: {type(e).__name__}: {e} (on the answer {answer!r})") from None
     asks = "every column" if wanted is True else ", ".join(sorted(wanted)) or "no column"
     return f"{spec} returns {result} on a sample answer; it asks for {asks} by keyword", None
 

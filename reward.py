@@ -349,7 +349,9 @@ def peer_contract(fn: Callable) -> str | None:
     """How to call fn from this trainer when its signature is another trainer's reward contract, or None. The rewards
     users bring come from verl, EasyR1 and TRL, and each fails here on its first call with an error of its own that
     does not say why (a missing argument, a string indexed as a dict, a list returned, another trainer's config key).
-    Read from the parameter names alone, so it only explains a failure: a function that grades is never refused."""
+    Read from the parameter names alone: the run names it only in its stop when every answer fails; the dry run
+    refuses such a function outright (its first parameter would get the answer's text, and with defaults or a column
+    of a matching name a call may even return a score, graded on the wrong arguments)."""
     try:
         names = [p.name for p in inspect.signature(fn).parameters.values()]
     except (TypeError, ValueError):

@@ -22,6 +22,9 @@ def wants_level(response, ground_truth, level, source=""):
 def verl_form(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0
 
+def verl_defaults(data_source, solution_str, ground_truth=None, extra_info=None):
+    return float(solution_str in data_source)  # called here: the ground truth in the answer, always 1
+
 def exact(response, ground_truth):
     return float(ground_truth in response)
 
@@ -69,8 +72,8 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
         (
             "reward.reward_fn={dir}/rewards.py:goood",
             "FAIL  reward: reward.reward_fn: reward spec '{dir}/rewards.py:goood': "
-            "{dir}/rewards.py has no function 'goood' (its functions: any_of, exact, good, verl_form, wants_level, "
-            "wrong_type)",
+            "{dir}/rewards.py has no function 'goood' (its functions: any_of, exact, good, verl_defaults, verl_form, "
+            "wants_level, wrong_type)",
         ),
         (  # a keyword parameter the data has no column for, and no default (`source` has one: no error of its own)
             "reward.reward_fn={dir}/rewards.py:wants_level",
@@ -83,6 +86,12 @@ def test_a_good_config_passes_and_says_what_it_checked(dry_run):
             "FAIL  reward: reward.reward_fn='{dir}/rewards.py:verl_form': its parameters are verl's (data_source, "
             "solution_str, ground_truth, extra_info); this trainer calls fn(response, ground_truth) once per answer: "
             "wrap it, def score(response, ground_truth): return verl_form('<data_source>', response, ground_truth)",
+        ),
+        (  # a call that succeeds, on the wrong arguments: refused by its parameters
+            "reward.reward_fn={dir}/rewards.py:verl_defaults",
+            "FAIL  reward: reward.reward_fn='{dir}/rewards.py:verl_defaults': its parameters are verl's (data_source, "
+            "solution_str, ground_truth, extra_info); this trainer calls fn(response, ground_truth) once per answer: "
+            "wrap it, def score(response, ground_truth): return verl_defaults('<data_source>', response, ground_truth)",
         ),
         (
             "reward.reward_fn={dir}/rewards.py:wrong_type",
