@@ -6,11 +6,13 @@ what it saw, "FAIL" with the key to change, or "skip" when a check it needs fail
 
     model     actor.model_path: the checkpoint's config and processor load (a hub id needs the hub, or its cache
               under HF_HUB_OFFLINE=1; an unreachable hub is one line, not five retries)
-    data      data.train_files, data.val_files: the configured keys are columns of the files; a sample of rows
-              parses, its images and videos decode, its prompts fit data.max_prompt_length; the train files fill
-              one rollout batch
-    reward    reward.reward_fn: it imports, and a call on a sample answer (the sample row's own ground truth,
-              boxed) returns a number or a dict with "overall", with the keyword columns it asks for
+    data      data.train_files, data.val_files: the configured keys are columns of the files (a missing one named
+              with the column that holds it); a sample of rows parses, its images and videos decode, its prompts
+              fit data.max_prompt_length and do not already hold the format prompt's instruction; the train files
+              fill one rollout batch
+    reward    reward.reward_fn: it imports, is not in verl's, EasyR1's or TRL's form (the wrapper is named), and a
+              call on a sample answer (the sample row's own ground truth, boxed) returns a number or a dict with
+              "overall", with the keyword columns it asks for; an answer column of lists or structs is named
     tools     rollout.tools: they load and have schemas (train_grpo.check_config loaded them already)
 
 Exit 0 only when every check passed. Nothing here needs torch.distributed, a GPU or the weights.
