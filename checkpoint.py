@@ -216,7 +216,23 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg, engine=None)
         f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
         f"index {position} of this epoch's shard on rank 0; next step {step + 1}"
     )
+    changed = changed_settings(saved["config"], cfg)
+    if changed:  # a run resumed in an old output_dir with a changed config continues the old run: say what it changed
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        print0(f"note: {len(changed)} settings differ from the checkpoint's run: {', '.join(changed[:8])}{more} "
+               "(trainer.resume=none or another trainer.output_dir starts afresh)")  # fmt: skip
     return step, epoch, position
+
+
+def changed_settings(saved: dict, cfg) -> list[str]:
+    """The settings of `cfg` that differ from a checkpoint's config (`saved`, as trainer_state.json holds it), as
+    `section.key=now (was then)` in the config's order; keys the checkpoint does not have, and trainer.resume (how
+    a resume is asked for), are not compared."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # (as the checkpoint wrote it: tuples as lists)
+    now["trainer"].pop("resume", None)
+    return [f"{section}.{key}={value!r} (was {saved[section][key]!r})"
+            for section, values in now.items() for key, value in values.items()
+            if key in saved.get(section, {}) and saved[section][key] != value]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------------

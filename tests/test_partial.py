@@ -444,6 +444,30 @@ def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, ca
     assert got == {"same_ranks": (2, 1, 37), "other_ranks": (2, 1, 56), "rank_file_without_it": (2, 1, 30)}[case]
 
 
+def test_a_resume_with_a_changed_config_says_what_changed(one_rank_group, tmp_path, capsys):
+    """Guards against a run started again in an old output_dir with an edited config continuing the old run (its
+    weights, its step) with nothing said but the resume line: the settings that differ are named, old and new; how the
+    resume was asked for is no change; the same config says nothing."""
+    import checkpoint
+
+    cfg = load_config(None, ["data.rollout_batch_size=8"])
+    model = _Plain(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scorer = SimpleNamespace(n_timeouts=0, n_errors=0)
+    checkpoint.save_checkpoint(str(tmp_path), 2, 1, 16, model, optimizer, scheduler, scorer, cfg)
+    path = str(tmp_path / "checkpoints" / "step_2")
+    checkpoint.load_checkpoint(path, model, optimizer, scheduler, scorer, cfg)
+    assert "differ" not in capsys.readouterr().out
+    edited = load_config(None, ["data.rollout_batch_size=8", "actor.lr=2e-6", "data.train_files=mine.parquet",
+                                f"trainer.resume={path}"])  # fmt: skip
+    checkpoint.load_checkpoint(path, model, optimizer, scheduler, scorer, edited)
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert note == [f"note: 2 settings differ from the checkpoint's run: data.train_files='mine.parquet' (was "
+                    f"{cfg.data.train_files!r}), actor.lr=2e-06 (was {cfg.actor.lr!r}) (trainer.resume=none or "
+                    "another trainer.output_dir starts afresh)"]  # fmt: skip
+
+
 def test_engine_steps_record_and_summary(tmp_path, monkeypatch):
     """bench/engine_steps.py, which `bench_partial.py --engine-steps` runs the trainer through: its wrappers on vLLM's
     engine write a line for each step that ran a batch (requests, tokens, whether requests came since the step
