@@ -216,7 +216,7 @@ def load_checkpoint(path, model, optimizer, scheduler, scorer, cfg, engine=None)
         f"resumed from {path} in {time.perf_counter() - t0:.1f}s: step {step}, epoch {epoch}, "
         f"index {position} of this epoch's shard on rank 0; next step {step + 1}"
     )
-    changed = changed_settings(saved["config"], cfg)
+    changed = changed_settings(saved.get("config", {}), cfg)
     if changed:  # a run resumed in an old output_dir with a changed config continues the old run: say what it changed
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
         print0(f"note: {len(changed)} settings differ from the checkpoint's run: {', '.join(changed[:8])}{more} "
