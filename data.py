@@ -484,13 +484,14 @@ class PromptDataset:
         rows = [row for row in rows if isinstance(row, dict)]
         have = sorted({k for row in rows for k in row})
         keys = (self.prompt_key, self.answer_key, self.image_key, self.video_key)
-        first = {k: next((row[k] for row in rows if row.get(k) is not None), None) for k in have if k not in keys}
         # as the file has it: a list or a struct reaches the reward as its text (the dry run says so)
         self.answer_value = next((v for v in (row_value(row, self.answer_key) for row in rows) if v is not None), None)
-        clauses = []
+        clauses, first = [], None  # each other column's first value, read once a key is missing
         for option, key in zip(("prompt_key", "answer_key", "image_key", "video_key"), keys):
             if any(row_value(row, key) is not None for row in rows):
                 continue
+            if first is None:
+                first = {k: next((r[k] for r in rows if r.get(k) is not None), None) for k in have if k not in keys}
             found = column_for(option, first, base_dir)
             if found is None and key == DEFAULT_KEYS.get(option):  # text-only data: no images (videos) anywhere
                 continue
