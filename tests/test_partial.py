@@ -413,6 +413,20 @@ class _Plain(torch.nn.Linear):
         pass
 
 
+def _step_2_checkpoint(tmp_path, position):
+    """A checkpoint of a plain module at step 2, epoch 1, `position` into the shard. Returns the config, the (model,
+    optimizer, scheduler, scorer) that load_checkpoint restores into, and the checkpoint's path."""
+    import checkpoint
+
+    cfg = load_config(None, ["data.rollout_batch_size=8"])
+    model = _Plain(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    scorer = SimpleNamespace(n_timeouts=0, n_errors=0)
+    checkpoint.save_checkpoint(str(tmp_path), 2, 1, position, model, optimizer, scheduler, scorer, cfg)
+    return cfg, (model, optimizer, scheduler, scorer), tmp_path / "checkpoints" / "step_2"
+
+
 @pytest.mark.parametrize("case", ["same_ranks", "other_ranks", "rank_file_without_it"])
 def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, case):
     """Guards against a resume that puts every rank at rank 0's data position: with partial rollouts and dynamic
@@ -424,13 +438,7 @@ def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, ca
 
     import checkpoint
 
-    cfg = load_config(None, ["data.rollout_batch_size=8"])
-    model = _Plain(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    scorer = SimpleNamespace(n_timeouts=0, n_errors=0)
-    checkpoint.save_checkpoint(str(tmp_path), 2, 1, 37, model, optimizer, scheduler, scorer, cfg)
-    path = tmp_path / "checkpoints" / "step_2"
+    cfg, parts, path = _step_2_checkpoint(tmp_path, position=37)
     state = json.loads((path / "trainer_state.json").read_text())
     state["position"] = 30
     if case == "other_ranks":  # written by 2 ranks of 4 prompts: 7 steps into the epoch, 8 prompts a step now
@@ -440,7 +448,7 @@ def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, ca
         assert rank_state.pop("data_position") == [1, 37]
         torch.save(rank_state, path / "rank_0.pt")
     (path / "trainer_state.json").write_text(json.dumps(state))
-    got = checkpoint.load_checkpoint(str(path), model, optimizer, scheduler, scorer, cfg)
+    got = checkpoint.load_checkpoint(str(path), *parts, cfg)
     assert got == {"same_ranks": (2, 1, 37), "other_ranks": (2, 1, 56), "rank_file_without_it": (2, 1, 30)}[case]
 
 
@@ -450,18 +458,12 @@ def test_a_resume_with_a_changed_config_says_what_changed(one_rank_group, tmp_pa
     resume was asked for is no change; the same config says nothing."""
     import checkpoint
 
-    cfg = load_config(None, ["data.rollout_batch_size=8"])
-    model = _Plain(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    scorer = SimpleNamespace(n_timeouts=0, n_errors=0)
-    checkpoint.save_checkpoint(str(tmp_path), 2, 1, 16, model, optimizer, scheduler, scorer, cfg)
-    path = str(tmp_path / "checkpoints" / "step_2")
-    checkpoint.load_checkpoint(path, model, optimizer, scheduler, scorer, cfg)
+    cfg, parts, path = _step_2_checkpoint(tmp_path, position=16)
+    checkpoint.load_checkpoint(str(path), *parts, cfg)
     assert "differ" not in capsys.readouterr().out
     edited = load_config(None, ["data.rollout_batch_size=8", "actor.lr=2e-6", "data.train_files=mine.parquet",
                                 f"trainer.resume={path}"])  # fmt: skip
-    checkpoint.load_checkpoint(path, model, optimizer, scheduler, scorer, edited)
+    checkpoint.load_checkpoint(str(path), *parts, edited)
     note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
     assert note == [f"note: 2 settings differ from the checkpoint's run: data.train_files='mine.parquet' (was "
                     f"{cfg.data.train_files!r}), actor.lr=2e-06 (was {cfg.actor.lr!r}) (trainer.resume=none or "
