@@ -549,6 +549,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora", action="store_true", help="rank-8 LoRA adapters instead of full fine-tuning")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override (repeat)")
     parser.add_argument("--no-comparisons", action="store_true", help="the run only: no packed/tower checks")
+    parser.add_argument("--image-size", type=int, nargs=2, default=[400, 700], metavar=("MIN", "MAX"),
+                        help="the figures' sides in pixels; larger images stagger the answers' starts (prefill)")
     parser.add_argument("--model-dir", default="", help="build the model here, or reuse the one built there")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (default: known)")
     recipe = "a recipe of the family's shape instead of its geo3k one (its precision, offload, tower, vLLM share)"
@@ -593,7 +595,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         n_params, n_text, n_vision = build_model(model_dir, args.family)
         make_geo3k_like(f"{data_dir}/train.parquet", n_rows=max(64, args.prompts * (args.steps + 1)), seed=0,
-                        image_size=(400, 700))  # fmt: skip
+                        image_size=tuple(args.image_size))  # fmt: skip
         shape = SHAPES[args.family][1]
         print(f"a random {n_params / 1e9:.2f} B-parameter {shape} ready in {time.perf_counter() - t0:.0f}s")
         torch.cuda.reset_peak_memory_stats()
