@@ -57,9 +57,9 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
-from media import file_source, image_source, open_image, to_rgb
-from runtime import Stop
-from video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
+from grpo.media import file_source, image_source, open_image, to_rgb
+from grpo.runtime import Stop
+from grpo.video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 IMAGE_MARK = "<image>"

@@ -33,13 +33,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-import lora
-import models
-import moe
-import vllm_compat
-from batching import VISION_INPUTS, collate, pack
-from quiet import filtered_stderr, quiet_logs
-from video import video_processor_size
+from grpo import lora, models, moe, vllm_compat
+from grpo.batching import VISION_INPUTS, collate, pack
+from grpo.quiet import filtered_stderr, quiet_logs
+from grpo.video import video_processor_size
 
 
 @dataclass

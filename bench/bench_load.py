@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402
 import models  # noqa: E402
-from runtime import exit_rank  # noqa: E402
+
+from grpo.runtime import exit_rank  # noqa: E402
 
 
 def build_checkpoint(out_dir, layers):
@@ -132,7 +133,7 @@ def run_rank(args):
     if args.variant == "old":
         model, _ = old_load(args.model, device)
     else:
-        from train_grpo import ActorConfig
+        from grpo.config import ActorConfig
 
         actor = ActorConfig(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False)
         model, _ = models.load_policy_and_reference(actor, device, True, 0)

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import batching  # noqa: E402
 import models  # noqa: E402
+
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 

@@ -60,8 +60,9 @@ sys.path.insert(0, REPO)
 
 import batching  # noqa: E402
 import models  # noqa: E402
-import rollout  # noqa: E402
 import routing  # noqa: E402
+
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
@@ -228,7 +229,7 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
 def memory_plan(argv):
     """The trainer's own memory plan of the run (memory_plan.py, as train_grpo prints it at start) and the problem
     that would stop it, or None."""
-    from memory_plan import format_plan, plan_memory, plan_problem
+    from grpo.memory_plan import format_plan, plan_memory, plan_problem
 
     cfg = train_grpo.load_config(argv[0], argv[1:])
     train_grpo.check_config(cfg, world_size=1)
@@ -366,8 +367,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
 
     from transformers import AutoProcessor
 
-    import runtime
     from data import PromptDataset
+    from grpo import runtime
 
     _, _, device = runtime.setup_distributed()
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -549,8 +550,14 @@ def parse_args(argv=None):
     parser.add_argument("--lora", action="store_true", help="rank-8 LoRA adapters instead of full fine-tuning")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trainer override (repeat)")
     parser.add_argument("--no-comparisons", action="store_true", help="the run only: no packed/tower checks")
-    parser.add_argument("--image-size", type=int, nargs=2, default=[400, 700], metavar=("MIN", "MAX"),
-                        help="the figures' sides in pixels; larger images stagger the answers' starts (prefill)")
+    parser.add_argument(
+        "--image-size",
+        type=int,
+        nargs=2,
+        default=[400, 700],
+        metavar=("MIN", "MAX"),
+        help="the figures' sides in pixels; larger images stagger the answers' starts (prefill)",
+    )
     parser.add_argument("--model-dir", default="", help="build the model here, or reuse the one built there")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="the GPU's dense bf16 peak (default: known)")
     recipe = "a recipe of the family's shape instead of its geo3k one (its precision, offload, tower, vLLM share)"

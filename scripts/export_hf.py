@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoint import export_checkpoint  # noqa: E402
+from grpo.checkpoint import export_checkpoint  # noqa: E402
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "0")  # check_paths would want the hub cache; the plan does not
 
 import train_grpo  # noqa: E402
-from memory_plan import planned_world  # noqa: E402
+from grpo.memory_plan import planned_world  # noqa: E402
 
 MODELS = {
     "Qwen2.5-VL-3B": ("configs/geo3k_3b.yaml", []),

@@ -41,7 +41,7 @@ def gather_worker(args) -> None:
     import torch.distributed._functional_collectives as funcol
 
     sys.path.insert(0, str(REPO))
-    import lora
+    from grpo import lora
 
     dist.init_process_group("gloo")
     rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD

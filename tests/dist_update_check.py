@@ -25,8 +25,9 @@ from PIL import Image, ImageDraw
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import models  # noqa: E402
-import rollout  # noqa: E402
 import runtime  # noqa: E402
+
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 
 PROMPTS, N = 4, 2

@@ -19,8 +19,9 @@ import torch.distributed as dist
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import models  # noqa: E402
-import rollout  # noqa: E402
 import runtime  # noqa: E402
+
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 
 N, MAX_TOKENS = 2, 8

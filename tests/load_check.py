@@ -24,9 +24,11 @@ import batching  # noqa: E402
 import checkpoint  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
-import rollout  # noqa: E402
 import runtime  # noqa: E402
+
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch  # noqa: E402
 
 
@@ -158,7 +160,7 @@ def main():
     facts["packed_logp_max_abs_diff"] = (logp_new - logp_old).abs().max().item()
     facts["packed_logp_nonzero"] = int((logp_new != 0).sum())
 
-    actor = train_grpo.ActorConfig(model_path=tiny, attn_implementation="auto", freeze_vision_tower=True)
+    actor = ActorConfig(model_path=tiny, attn_implementation="auto", freeze_vision_tower=True)
     policy, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
     facts["policy_dtypes"] = sorted({str(p.dtype) for p in policy.parameters()})
     facts["policy_trainable"] = {part: sorted({p.requires_grad for n, p in policy.named_parameters() if part in n})

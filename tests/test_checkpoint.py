@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-import checkpoint
+from grpo import checkpoint
 from tests.launch import REPO, torchrun
 
 # The metrics a resumed run must reproduce exactly. Every one of them is a function of the weights, optimizer state,
@@ -267,7 +267,7 @@ def test_export_equals_final_model_and_loads_with_transformers(tiny_model_dir, t
     from safetensors.torch import load_file
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from checkpoint import export_checkpoint
+    from grpo.checkpoint import export_checkpoint
 
     (_, reference), _ = reference_run(request, lora)
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))
@@ -308,7 +308,7 @@ def test_export_loads_with_vllm(tmp_path, request, lora):
     pytest.importorskip("vllm")
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    from checkpoint import export_checkpoint
+    from grpo.checkpoint import export_checkpoint
 
     (_, reference), _ = reference_run(request, lora)
     out = export_checkpoint(os.path.join(reference, "checkpoints", "step_6"), str(tmp_path / "hf"))

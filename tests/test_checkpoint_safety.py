@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from grpo import checkpoint
 
 
 class WritesAFile:

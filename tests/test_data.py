@@ -18,7 +18,7 @@ from PIL import Image
 import data
 import rollout
 from data import PromptDataset, ShardSampler, batches_per_epoch, fit_image, fitted_size, load_rows
-from media import to_rgb
+from grpo.media import to_rgb
 from scripts.make_synthetic_data import main as synthetic_main
 from scripts.make_synthetic_data import make_geo3k_like
 

@@ -12,9 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-import batching
-import models
-import moe
+from grpo import batching, models, moe
 from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
@@ -116,7 +114,7 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    import checkpoint
+    from grpo import checkpoint
     from tests.load_check import mismatches
 
     path = tiny_family_dir(family)

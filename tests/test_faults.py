@@ -114,7 +114,7 @@ def test_both_process_group_branches_get_the_timeout(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    import runtime
+    from grpo import runtime
 
     calls, real = [], dist.init_process_group
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-import models
+from grpo import models
 from tests.launch import REPO
 from train_grpo import check_config, load_config
 
@@ -66,7 +66,7 @@ def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
     layer, 8 routed, in all 48 layers."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from memory_plan import KNOWN_SHAPES, count_params
+    from grpo.memory_plan import KNOWN_SHAPES, count_params
 
     gpu_check = load_gpu_check()
     config = gpu_check.qwen3_vl_30b_a3b_config(gpu_check.real_size_tokenizer("qwen3_vl_moe"))

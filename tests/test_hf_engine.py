@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-import batching
-import models
 import rollout
+from grpo import batching, models
 from tests.hf_engine_check import count_generate_calls, hf_engine, image_prompts, tiny_policy
 from tests.launch import torchrun
 

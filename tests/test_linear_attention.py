@@ -9,9 +9,7 @@ import types
 import pytest
 import torch
 
-import batching
-import linear_attention
-import models
+from grpo import batching, linear_attention, models
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 

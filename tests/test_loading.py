@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import lora
-import models
+from grpo import lora, models
+from grpo.config import ActorConfig
 from tests.launch import free_port, torchrun
 
 
@@ -120,14 +120,12 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
     from safetensors.torch import load_file
     from transformers import AutoProcessor
 
-    import batching
-    import checkpoint
-    import train_grpo
+    from grpo import batching, checkpoint
     from tests.test_packing import _mixed_batch
 
     processor = AutoProcessor.from_pretrained(tiny_model_dir)
     targets = ["q_proj", "v_proj", "down_proj", "visual.qkv", "lm_head"]
-    actor = train_grpo.ActorConfig(model_path=tiny_model_dir, lora_rank=8, attn_implementation="sdpa",
+    actor = ActorConfig(model_path=tiny_model_dir, lora_rank=8, attn_implementation="sdpa",
                                    lora_target_modules=targets)  # fmt: skip
     cpu, load_sharded = torch.device("cpu"), models.load_sharded
     monkeypatch.setattr(models, "mixed_precision", lambda device: True)

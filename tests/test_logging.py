@@ -11,8 +11,8 @@ import types
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from logger import MetricsLogger, format_duration
-from runtime import version_mismatch
+from grpo.logger import MetricsLogger, format_duration
+from grpo.runtime import version_mismatch
 from tests.launch import torchrun
 from train_grpo import ConfigError, check_config, load_config, main
 

@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import batching
-import models
 import rollout
-from models import chunked_logprobs, entropy_from_logits, token_logprobs
+from grpo import batching, models
+from grpo.models import chunked_logprobs, entropy_from_logits, token_logprobs
 from tests.launch import free_port
 
 

@@ -29,7 +29,8 @@ def test_kernel_caches_stay_bounded_over_new_convolution_shapes():
     filled by the vision tower's patch convolution, whose patch count is new at nearly every micro-batch. A rank set
     up by setup_distributed caps them; 400 new shapes then add a few MB, against ~35 MB uncapped."""
     code = """
-import torch, runtime
+import torch
+from grpo import runtime
 runtime.setup_distributed()
 conv = torch.nn.Conv3d(3, 32, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False)
 def step(n):
@@ -48,7 +49,7 @@ def test_release_host_memory_gives_the_freed_heap_back():
     """A step frees hundreds of MB of tensors whose sizes change every step; glibc keeps the pages between blocks still
     in use. Freed 90 % of a 64 KB-block heap: the resident memory stays, until release_host_memory hands it back."""
     code = """
-import runtime
+from grpo import runtime
 blocks = [bytearray(64 << 10) for _ in range(3200)]  # 200 MB in blocks under glibc's mmap threshold: its heap
 full = runtime.release_host_memory()
 del blocks[:-1]  # all but the last, which pins the heap's top: free() alone cannot shrink it

@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-import memory_plan
 import train_grpo
-from memory_plan import GIB, KNOWN_SHAPES, PlanError, count_params, plan_memory, plan_problem, shape_from_config
+from grpo import memory_plan
+from grpo.config import ActorConfig
+from grpo.memory_plan import GIB, KNOWN_SHAPES, PlanError, count_params, plan_memory, plan_problem, shape_from_config
 from train_grpo import load_config, main
 
 NODE = ["trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=80"]  # the plan's node, whatever this machine has
@@ -130,7 +131,7 @@ def test_count_equals_transformers_for_the_known_sizes(name):
     assert shape_from_config(transformers_config(s).to_dict()) == s
 
 
-DEFAULT_TARGETS = train_grpo.ActorConfig().lora_target_modules
+DEFAULT_TARGETS = ActorConfig().lora_target_modules
 
 
 @pytest.mark.parametrize(
@@ -150,10 +151,10 @@ def test_lora_count_equals_the_adapters_peft_injects(name, targets):
     per FSDP2 unit and in total."""
     from transformers import AutoModelForImageTextToText
 
-    import lora
+    from grpo import lora
 
     s = KNOWN_SHAPES[name]
-    actor = train_grpo.ActorConfig(model_path=name, lora_rank=8, lora_target_modules=targets)
+    actor = ActorConfig(model_path=name, lora_rank=8, lora_target_modules=targets)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(transformers_config(s))
     lora.add_lora(model, lora.lora_config(actor))
@@ -405,7 +406,9 @@ def _no_loading(monkeypatch):
     monkeypatch.setattr(Qwen2_5_VLForConditionalGeneration, "from_pretrained", forbidden)
     monkeypatch.setattr(train_grpo, "setup_distributed", forbidden)
     monkeypatch.setattr("huggingface_hub.hf_hub_download", forbidden)
-    monkeypatch.setattr("preflight.hub_reachable", lambda: False)  # as on this machine, without waiting to find out
+    monkeypatch.setattr(
+        "grpo.preflight.hub_reachable", lambda: False
+    )  # as on this machine, without waiting to find out
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, capsys):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_grpo
-from mismatch import STATS, _gap_metrics, measure, modality, parse_rs_thresholds
+from grpo.mismatch import STATS, _gap_metrics, measure, modality, parse_rs_thresholds
 from tests.launch import REPO
 
 E = math.exp
@@ -196,7 +196,7 @@ def test_config_pairs_and_yaml_ranges():
 
 def test_bypass_takes_the_engines_logprobs_or_says_it_has_none():
     """Guards against bypass silently training on missing or misaligned engine log-probs."""
-    from mismatch import engine_logps
+    from grpo.mismatch import engine_logps
     from rollout import Sample
 
     (old,) = engine_logps([Sample(0, [5, 6], [-0.5, -1.5], "", False)])
@@ -213,7 +213,7 @@ def test_guard_leaves_tool_turns_out_and_still_sees_the_models_tokens(one_rank_g
     it, and the printed figure must count the model's tokens only."""
     from types import SimpleNamespace
 
-    from mismatch import check_start
+    from grpo.mismatch import check_start
     from rollout import Sample
 
     prompts = [SimpleNamespace(image_grid_thw=torch.tensor([[1, 2, 2]]))]  # an image prompt
@@ -234,7 +234,7 @@ def _watched(alg, trainer, engine, carried, mb_rows, *, step=3, stats=None):
     per-step watch; returns (its answer, the stats)."""
     from types import SimpleNamespace
 
-    from mismatch import measure_and_correct, watch
+    from grpo.mismatch import measure_and_correct, watch
     from rollout import Sample
 
     prompts = [SimpleNamespace(image_grid_thw=torch.ones(1, 3), video_grid_thw=None)]
@@ -252,7 +252,7 @@ def test_watch_stops_or_skips_a_later_step_past_the_guard_and_leaves_carried_tok
     no fault of the engine, while the same gap on the step's own tokens is. Also: each optimizer step judged on its
     own samples, skip mode counting what it skipped, and bypass's later optimizer steps (the policy's own drift) not
     judged."""
-    from mismatch import step_metrics
+    from grpo.mismatch import step_metrics
 
     cfg = lambda *o: train_grpo.load_config(None, ["algorithm.mismatch_guard=0.01", *o]).algorithm  # noqa: E731
     trainer = [[-1.0, -2.0, -0.5, -1.5]] * 2
@@ -287,7 +287,7 @@ def test_start_guard_leaves_carried_tokens_out(one_rank_group):
     answer carried from before: only the step's own tokens measure the engine."""
     from types import SimpleNamespace
 
-    from mismatch import check_start
+    from grpo.mismatch import check_start
     from rollout import Sample
 
     prompts = [SimpleNamespace(image_grid_thw=None, video_grid_thw=None)]

@@ -81,7 +81,7 @@ def test_vision_dummy_changes_no_logprob_and_no_gradient(tiny_family_dir, family
     leave the log-probs and every other gradient bitwise as they are without it, in every model family."""
     import torch
 
-    import models
+    from grpo import models
 
     def grads(with_dummy):
         model = models.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")

@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import batching
-import models
-import moe
+from grpo import batching, models, moe
+from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch
 
 MOE_FAMILIES = ["qwen3_vl_moe", "qwen3_5_moe"]
@@ -162,7 +161,7 @@ def test_router_balance_loss_and_its_gradient_equal_transformers(tiny_family_dir
 def test_routing_disagreement_compares_sets_per_token_kind():
     """Guards against a routing measure that counts the same experts listed in another order as a mismatch, mixes
     the token kinds up, or counts the answer from the wrong end. Hand values: 2 layers, top-2."""
-    import routing
+    from grpo import routing
 
     engine = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[1, 2], [0, 3]], [[1, 2], [0, 3]]])  # (L, layers, k)
     trainer = torch.tensor([[[1, 0], [3, 2]], [[0, 2], [2, 3]], [[2, 1], [0, 1]], [[1, 2], [3, 0]]])
@@ -180,7 +179,7 @@ def test_trainer_routing_is_each_sequences_own(tiny_family_dir, family):
     logits."""
     from transformers import AutoProcessor
 
-    import routing
+    from grpo import routing
 
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
@@ -218,13 +217,11 @@ def test_expert_adapters_merge_as_peft_does(tiny_family_dir, family, tmp_path, o
     from safetensors.torch import load_file
     from transformers import AutoProcessor
 
-    import checkpoint
-    import lora
-    import train_grpo
+    from grpo import checkpoint, lora
 
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
-    actor = train_grpo.ActorConfig(model_path=path, lora_rank=4, lora_target_modules=["q_proj", "experts"])
+    actor = ActorConfig(model_path=path, lora_rank=4, lora_target_modules=["q_proj", "experts"])
     model = models.load_sharded(path, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     wrapped = {n: m for n, m in lora.lora_layers(model).items() if hasattr(m, "parameter_name")}
     layers = model.config.text_config.num_hidden_layers
@@ -288,10 +285,9 @@ def test_expert_adapters_are_refused_where_they_cannot_be(tiny_model_dir):
     """Guards against the `experts` target passing silently where it adapts nothing (a dense family: the run would
     train attention alone while the config says experts) or where PEFT's expert adapter cannot do what the config
     asks (dropout: the update is added to the weight, there is no adapter input to drop)."""
-    import lora
-    import train_grpo
+    from grpo import lora
 
-    actor = train_grpo.ActorConfig(model_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "experts"])
+    actor = ActorConfig(model_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "experts"])
     model = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa", meta=True)
     with pytest.raises(ValueError, match="qwen2_5_vl has none"):
         lora.add_lora(model, lora.lora_config(actor))

@@ -13,10 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-import memory_plan
-import models
-import offload
-import optim
+from grpo import memory_plan, models, offload, optim
 
 
 def _train_step(model, optimizer, seed):

@@ -7,10 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import batching
-import models
 import rollout
-from batching import balanced_bins, rebalance_moves, token_budget_micro_batches
+from grpo import batching, models
+from grpo.batching import balanced_bins, rebalance_moves, token_budget_micro_batches
 from tests.launch import free_port
 from train_grpo import ConfigError, check_config, load_config
 

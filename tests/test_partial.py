@@ -8,12 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import mismatch
-import partial
 import rollout
-import tools
-import turns
 from data import ShardSampler
+from grpo import mismatch, partial, tools, turns
 from train_grpo import ConfigError, check_config, load_config
 
 N = 3  # answers per prompt
@@ -416,7 +413,7 @@ class _Plain(torch.nn.Linear):
 def _step_2_checkpoint(tmp_path, position):
     """A checkpoint of a plain module at step 2, epoch 1, `position` into the shard. Returns the config, the (model,
     optimizer, scheduler, scorer) that load_checkpoint restores into, and the checkpoint's path."""
-    import checkpoint
+    from grpo import checkpoint
 
     cfg = load_config(None, ["data.rollout_batch_size=8"])
     model = _Plain(2, 2)
@@ -436,7 +433,7 @@ def test_each_rank_resumes_at_its_own_data_position(one_rank_group, tmp_path, ca
     were in it, rank 0's."""
     import json
 
-    import checkpoint
+    from grpo import checkpoint
 
     cfg, parts, path = _step_2_checkpoint(tmp_path, position=37)
     state = json.loads((path / "trainer_state.json").read_text())
@@ -456,7 +453,7 @@ def test_a_resume_with_a_changed_config_says_what_changed(one_rank_group, tmp_pa
     """Guards against a run started again in an old output_dir with an edited config continuing the old run (its
     weights, its step) with nothing said but the resume line: the settings that differ are named, old and new; how the
     resume was asked for is no change; the same config says nothing."""
-    import checkpoint
+    from grpo import checkpoint
 
     cfg, parts, path = _step_2_checkpoint(tmp_path, position=16)
     checkpoint.load_checkpoint(str(path), *parts, cfg)

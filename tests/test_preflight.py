@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-import preflight
 import train_grpo
+from grpo import preflight
 from scripts.make_synthetic_data import make_geo3k_like
 
 REWARDS = """

@@ -4,10 +4,9 @@ answers in a micro-batch. Exact by construction -- these tests hold it to the un
 import pytest
 import torch
 
-import batching
-import models
 import rollout
-from batching import shared_prefix_parts
+from grpo import batching, models
+from grpo.batching import shared_prefix_parts
 from tests.test_varlen import reference_varlen
 
 

@@ -6,10 +6,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-import batching
-import models
-import tools
-import turns
+from grpo import batching, models, tools, turns
 from tests.test_shared_prefix import _groups
 from tests.test_varlen import reference_varlen
 

@@ -7,11 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-import batching
-import models
 import rollout
-import tools
-import turns
+from grpo import batching, models, tools, turns
 from tests.hf_engine_check import hf_engine, image_prompts, tiny_policy
 
 SPECS = ["tools.py:crop", "tools.py:calculate", "tests/tool_fixtures.py:sleepy", "tests/tool_fixtures.py:crash"]

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import batching
-import models
+from grpo import batching, models
 from tests.test_packing import _mixed_batch
 
 

@@ -8,11 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import batching
-import models
 import rollout
-import video
 from data import PromptDataset
+from grpo import batching, models, video
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 BUDGET = dict(video_fps=2.0, max_frames=8, video_min_pixels=3136, video_max_pixels=12544)
@@ -305,7 +303,7 @@ def test_text_after_a_video_continues_after_its_last_position(tiny_family_dir):
 def test_memory_plan_bounds_the_tokens_of_a_clip():
     """Guards against a plan that undercounts videos: its tokens per clip at the video budget must bound what
     load_video's frames become for any frame shape, and not by much (Qwen2.5-VL's 28 px and Qwen3-VL's 32 px grid)."""
-    import memory_plan
+    from grpo import memory_plan
 
     for patch, frames in ((14, 32), (16, 7)):
         shape = memory_plan.ModelShape(1, 1, 1, 1, 1, 1, False, patch=patch)

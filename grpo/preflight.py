@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
 from urllib.parse import urlparse
 
-import turns
 from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
+from grpo import turns
+from grpo.config import ConfigError
+from grpo.models import unsupported_model
+from grpo.runtime import resolve_path
 from reward import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from rollout import check_prompt_limits, data_media
-from runtime import resolve_path
 
 SAMPLE_ROWS = 64  # rows of each data file a dry run parses (images decoded, prompts counted)
 HUB_TIMEOUT_S = 3.0  # a dry run's wait for the hub before it says it cannot reach it
@@ -37,6 +40,30 @@ HUB_TIMEOUT_S = 3.0  # a dry run's wait for the hub before it says it cannot rea
 
 class Failed(Exception):
     """A check's one-line failure: the key to change and what is wrong."""
+
+
+def check_paths(cfg) -> None:
+    """Missing model or data files fail here in one line, not minutes later in a stack trace from the loaders.
+    Separate from check_config so that configs naming files not yet built (tiny.yaml) still pass that check."""
+    path = cfg.actor.model_path
+    looks_like_hub_id = re.fullmatch(r"[\w][\w.-]*/[\w.-]+", path) is not None
+    if not os.path.exists(path) and not looks_like_hub_id:
+        raise ConfigError(f"actor.model_path={path!r} does not exist (a hub model is written org/name)")
+    if not os.path.exists(path) and os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
+    unsupported = unsupported_model(path, needs_experts=cfg.actor.router_aux_loss_coef > 0)
+    if unsupported:
+        raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
+    for key in ("train_files", "val_files"):
+        spec = getattr(cfg.data, key)
+        try:
+            if spec:  # val_files="" means no validation
+                local_files(spec)  # raises for a missing local path, or a directory without data files
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"data.{key}: {e}") from None
 
 
 def dataset_kwargs(cfg, processor, columns: bool | frozenset[str] = frozenset(), sample_rows: int = 0) -> dict:

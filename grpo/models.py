@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-import moe
-from linear_attention import use_packed_forward
-from lora import LORA_ADAPTER, add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
+from grpo import moe
+from grpo.linear_attention import use_packed_forward
+from grpo.lora import LORA_ADAPTER, add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Log-probs of sampled tokens from logits or, chunk by chunk, from the last hidden states and the LM head weight.

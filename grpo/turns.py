@@ -32,9 +32,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-import tools
+from grpo import tools
+from grpo.runtime import mean_over_ranks
 from rollout import Prompt, Sample, engine_prompt_ids
-from runtime import mean_over_ranks
 
 # The tool turn around a result, Qwen's way: the model's turn ends after its call, the result comes back in a user
 # turn inside <tool_response>, then the next assistant turn opens.

@@ -36,9 +36,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 import rollout
-import tools
-import turns
-from runtime import max_over_ranks, mean_over_ranks
+from grpo import tools, turns
+from grpo.runtime import max_over_ranks, mean_over_ranks
 
 
 @dataclass

@@ -22,10 +22,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-import batching
-import models
-import moe
 import rollout
+from grpo import batching, models, moe
 
 
 def record(modules, pick) -> tuple[list[list[torch.Tensor]], list]:

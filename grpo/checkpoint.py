@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-import moe
-from lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
-from models import load_model, reshard
-from runtime import Stop, phase, print0, resolve_path
+from grpo import moe
+from grpo.lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
+from grpo.models import load_model, reshard
+from grpo.runtime import Stop, phase, print0, resolve_path
 
 
 def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg, engine=None):
@@ -551,7 +551,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     from transformers import AutoProcessor
 
     from data import set_pixel_range
-    from video import set_video_range
+    from grpo.video import set_video_range
 
     if not is_complete_checkpoint(checkpoint):
         raise SystemExit(f"{checkpoint}: not a complete checkpoint (no .metadata or trainer_state.json)")
@@ -566,7 +566,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     if lora:  # the checkpoint holds the adapters: the base model's weights, with them on top
         from types import SimpleNamespace
 
-        from lora import lora_config
+        from grpo.lora import lora_config
 
         model = load_model(model_path, torch.device("cpu"), "sdpa")
         add_lora(model, lora_config(SimpleNamespace(**{**cfg["actor"], "model_path": model_path})))

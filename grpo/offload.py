@@ -37,7 +37,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-import models
+from grpo import models
 
 ALIGN = 512  # each arena slice starts on a multiple of this, as the blocks of torch's CUDA allocator do
 PAGE = 4096  # an arena starts on a page (cudaHostRegister locks whole pages)
