@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import linear_attention  # noqa: E402
-import models  # noqa: E402
+from grpo import linear_attention, models  # noqa: E402
 
 
 def layer(width, device, dtype):

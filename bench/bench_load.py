@@ -36,9 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import checkpoint  # noqa: E402
-import models  # noqa: E402
-
+from grpo import checkpoint, models  # noqa: E402
 from grpo.runtime import exit_rank  # noqa: E402
 
 

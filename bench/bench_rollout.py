@@ -22,11 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import models  # noqa: E402
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import models, runtime  # noqa: E402
 
 
 def timed(fn):

@@ -46,11 +46,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import batching  # noqa: E402
-import models  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import batching, models  # noqa: E402
 
 VOCAB = 151936  # Qwen2.5-VL's real vocabulary (embedding rows); --vocab changes it for the whole run
 IMAGE_TOKEN = VOCAB - 1

@@ -58,12 +58,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import batching  # noqa: E402
-import models  # noqa: E402
-import routing  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import batching, models, routing  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
 

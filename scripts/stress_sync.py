@@ -170,7 +170,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         gather_worker(args)
-        import runtime  # (gather_worker put the repository on the path)
+        from grpo import runtime  # (gather_worker put the repository on the path)
 
         # gloo's worker threads can still be dropping the last gathers' tensors: an interpreter that finalizes under
         # them aborts ("terminate called without an active exception"), a launch counted as crashed

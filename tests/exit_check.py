@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import runtime  # noqa: E402
+from grpo import runtime  # noqa: E402
 
 
 class SlowTeardown:

@@ -18,11 +18,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import models  # noqa: E402
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import models, runtime  # noqa: E402
 
 N, MAX_TOKENS = 2, 8
 RANK_PROMPTS = [[0, 1, 2], [3]]

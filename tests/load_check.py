@@ -20,14 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import batching  # noqa: E402
-import checkpoint  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import batching, checkpoint, lora, models, runtime  # noqa: E402
 from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch  # noqa: E402
 

@@ -23,17 +23,10 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import batching  # noqa: E402
-import lora  # noqa: E402
-import models  # noqa: E402
-import moe  # noqa: E402
-import routing  # noqa: E402
-import runtime  # noqa: E402
-import video  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
+from grpo import batching, lora, models, moe, routing, runtime, video  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES = 56 * 56, 112 * 112, 6
