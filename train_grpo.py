@@ -78,6 +78,7 @@ from grpo.runtime import (
     setup_distributed,
     shut_down,
 )
+from grpo.stats import StepStats
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The math: pure functions on tensors. Response tensors are (B, T): B sequences, T response positions, `mask` marks
@@ -430,12 +431,13 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         items = [(all_prompts[all_samples[i].prompt_index], all_samples[i], all_advantages[i],
                   all_old[i] if all_old else None, all_ref[i] if all_ref else None)
                  for i in range(start, start + seqs_per_step)]  # fmt: skip
+        moved = 0
         if a.max_tokens_per_micro_batch and a.balance_ranks and world > 1:
             # with shared prefixes a prompt is computed once for its group: each answer bears 1/n of it
             share = cfg.rollout.n if shared else 1
             lengths = [len(p.input_ids) // share + len(s.response_ids) for p, s, *_ in items]
             items, moved = balance_over_ranks(items, lengths)
-            stats["actor/moved_sequences"] += moved
+        stats.count("actor/moved_sequences", moved)  # sent to another rank to even out the tokens
         prompts = [it[0] for it in items]
         samples = [dataclasses.replace(it[1], prompt_index=j) for j, it in enumerate(items)]
         advantages = torch.stack([torch.as_tensor(it[2]) for it in items])  # (S,)
@@ -450,7 +452,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         num_tokens, num_seqs = totals[0].item(), totals[1].item()
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free, shared)
-            stats["actor/micro_batches"] += 1
+            stats.count("actor/micro_batches")  # forward/backward passes over the step's optimizer steps
             if not live:  # only here to keep the collectives in step: a zero mask zeroes its loss and every statistic
                 mask = torch.zeros_like(mask)
             if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
@@ -475,32 +477,35 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
                    "horizon": cfg.data.max_response_length}  # fmt: skip
             pg_term = aggregate_loss(pg, mask, **agg)
             loss = pg_term
+            kl_term = torch.zeros(())  # (no reference: algorithm.kl_in_reward, or a KL coefficient of 0)
             if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
                 kl = kl_penalty(logp, stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty)
                 kl_term = aggregate_loss(kl, mask, **agg)
                 loss = loss + cfg.algorithm.kl_coef * kl_term
-                stats["actor/kl"] += kl_term.item()
             if a.entropy_coef > 0:  # an entropy bonus keeps exploration alive
                 loss = loss - a.entropy_coef * aggregate_loss(entropy, mask, **agg)
             if a.router_aux_loss_coef > 0:  # experts' balance (moe.RouterBalance), weighted by the share of tokens
                 aux = model.router_balance.loss() * mask.sum() / num_tokens
                 loss = loss + a.router_aux_loss_coef * aux
-                stats["actor/router_aux_loss"] = stats.get("actor/router_aux_loss", 0.0) + aux.item()
+                stats.share("actor/router_aux_loss", aux.item())
             # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
             (loss * world).backward()
-            stats["actor/pg_loss"] += pg_term.item()
-            stats["actor/entropy"] += ((entropy.detach() * mask).sum() / num_tokens).item()
-            stats["actor/clip_frac"] += ((clipped.float() * mask).sum() / num_tokens).item()
+            # each a term of the step's mean over all ranks' tokens, as the loss's own terms are
+            stats.share("actor/pg_loss", pg_term.item())
+            stats.share("actor/kl", kl_term.item())
+            stats.share("actor/entropy", ((entropy.detach() * mask).sum() / num_tokens).item())
+            stats.share("actor/clip_frac", ((clipped.float() * mask).sum() / num_tokens).item())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if mismatch.watch(stats, cfg.algorithm, step) and torch.isfinite(grad_norm):  # (watch first: collective)
+        # skipped for the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank together
+        stepped = mismatch.watch(stats, cfg.algorithm, step) and torch.isfinite(grad_norm)  # (watch first: collective)
+        if stepped:
             optimizer.step()
             scheduler.step()
-        else:  # the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank skips together
-            stats["actor/skipped_steps"] += 1
         optimizer.zero_grad(set_to_none=True)
-        stats["actor/grad_norm"] = grad_norm.item()
-        stats["actor/optimizer_steps"] += 1
+        stats.count("actor/skipped_steps", not stepped)
+        stats.last("actor/grad_norm", grad_norm.item())
+        stats.count("actor/optimizer_steps")
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -543,10 +548,6 @@ def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
 # Setup and bookkeeping around the loop: datasets, validation with the engine, the step's metrics.
 
 # Running sums (and maxima) update_policy keeps over one step's optimizer steps and micro-batches
-UPDATE_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/skipped_steps",
-                "actor/optimizer_steps", "actor/micro_batches", "actor/moved_sequences", *mismatch.STATS)  # fmt: skip
-# those that are each rank's share of a global mean (summed over ranks): four of them, and the experts' balance loss
-SHARED_STATS = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clip_frac", "actor/router_aux_loss")
 
 
 def load_datasets(cfg, processor, rank, world, columns):
@@ -614,9 +615,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     dist.all_gather_object(keys, scorer.extra_keys())
     sums.update({f"reward/{k}": sum(x.get(k, 0.0) for x in results) for k in sorted(set().union(*keys))})
     metrics = mean_over_ranks(sums, dict.fromkeys(sums, len(samples)))
-    # SHARED_STATS are already global shares on each rank: sum them over ranks (the balance loss only where it ran)
-    shares = {k: stats[k] / n_updates for k in SHARED_STATS if k in stats}
-    metrics.update({k: v * world for k, v in mean_over_ranks(shares, dict.fromkeys(shares, 1)).items()})
+    metrics.update(stats.metrics(n_updates))  # the update's statistics, reduced as each was recorded (grpo/stats.py)
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths)), "host/rss_gb": release_host_memory()}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
     # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
@@ -634,12 +633,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     gen_tokens = metrics.get("rollout/partial_generated", gen_tokens)  # partial: sampled now, carried ones not again
     tokens = sum(len(prompts[s.prompt_index].input_ids) + len(s.response_ids) for s in samples)
     metrics.update(mean_over_ranks({"tokens": float(tokens)}, {"tokens": 1.0 / world}))
-    # micro_batches: forward/backward passes, all updates of the step; moved_sequences: sent to another rank to even
-    # out tokens
-    metrics.update({"epoch": epoch, "actor/grad_norm": stats["actor/grad_norm"], "actor/optimizer_steps": n_updates,
-                    "actor/lr": scheduler.get_last_lr()[0], "actor/skipped_steps": stats["actor/skipped_steps"],
-                    "actor/micro_batches": stats["actor/micro_batches"],
-                    "actor/moved_sequences": stats["actor/moved_sequences"]})  # fmt: skip
+    metrics.update({"epoch": epoch, "actor/lr": scheduler.get_last_lr()[0]})
     timings["time/step"] = time.perf_counter() - t_step
     metrics.update(max_over_ranks(timings))
     metrics["perf/tokens_per_s_per_device"] = metrics.pop("tokens") / (metrics["time/step"] * world)
@@ -780,7 +774,7 @@ def main(argv=None):
         # ---------------------------------------------------------------------------------------- policy update
         t0 = phase("policy update")
         model.train()
-        stats = dict.fromkeys(UPDATE_STATS, 0.0)
+        stats = StepStats()
         for _ in range(a.ppo_epochs):
             update_policy(
                 model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats, step

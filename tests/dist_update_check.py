@@ -24,11 +24,10 @@ from PIL import Image, ImageDraw
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import models  # noqa: E402
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import models, runtime  # noqa: E402
+from grpo.stats import StepStats  # noqa: E402
 
 PROMPTS, N = 4, 2
 
@@ -109,7 +108,7 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     models.root_forward(model, processor.tokenizer.pad_token_id)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    stats = dict.fromkeys(train_grpo.UPDATE_STATS, 0.0)
+    stats = StepStats()
     model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
     train_grpo.update_policy(model, optimizer, scheduler, local_samples, local_prompts, advantages[mine], None,
@@ -121,7 +120,7 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     counts = [None] * world
     dist.all_gather_object(counts, stats["actor/micro_batches"])
     if rank == 0:
-        torch.save({"state": state, "stats": stats, "micro_batches": counts}, out_path)
+        torch.save({"state": state, "stats": dict(stats), "micro_batches": counts}, out_path)
     dist.barrier()
 
 

@@ -1,0 +1,57 @@
+"""The step's statistics: each recorded in one line where it is computed, reduced over ranks as that line says."""
+
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo.stats import StepStats
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    stats = StepStats()
+    for _ in range(2):  # two optimizer steps of two micro-batches each
+        for mb in range(2):
+            stats.share("actor/pg_loss", 0.25 * (rank + 1) + mb)
+            stats.count("actor/micro_batches")
+        stats.last("actor/grad_norm", 1.5 + rank)
+        stats.count("actor/optimizer_steps")
+    if rank == 1:  # a term only one rank computed (a branch the other did not take) still reaches the metrics
+        stats.share("actor/only_rank_1", 3.0)
+    stats["mismatch/tokens"] += 7  # a raw running sum: starts at 0, is no metric
+    out[rank] = stats.metrics(stats["actor/optimizer_steps"])
+    dist.destroy_process_group()
+
+
+def test_statistics_reduce_as_recorded_over_two_ranks():
+    """Guards against a statistic that must be declared apart from where it is computed (forgotten: a KeyError, or
+    a metric silently missing from metrics.jsonl), and against shares averaged instead of summed over ranks."""
+    out = mp.Manager().dict()
+    mp.spawn(_two_ranks, args=(_free_port(), out), nprocs=2)
+    for rank in (0, 1):
+        m = out[rank]
+        # shares: summed over micro-batches and ranks, averaged over the 2 optimizer steps
+        assert m["actor/pg_loss"] == pytest.approx((2 * (0.25 + 0 + 0.25 + 1) + 2 * (0.5 + 0 + 0.5 + 1)) / 2)
+        assert m["actor/only_rank_1"] == pytest.approx(3.0 / 2)
+        assert m["actor/micro_batches"] == 4 and m["actor/optimizer_steps"] == 2  # this rank's counts
+        assert m["actor/grad_norm"] == 1.5 + rank  # the latest value
+        assert "mismatch/tokens" not in m
+
+
+def test_a_statistic_keeps_one_reduction():
+    """Guards against two call sites recording one key with different reductions (the metric would mean neither)."""
+    stats = StepStats()
+    stats.share("actor/kl", 0.1)
+    with pytest.raises(ValueError, match="actor/kl"):
+        stats.count("actor/kl")
+    assert stats["never/recorded"] == 0.0 and "never/recorded" not in stats
