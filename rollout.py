@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from grpo import lora, models, moe, vllm_compat
+from grpo import families, logprobs, lora, moe, vllm_compat
 from grpo.batching import VISION_INPUTS, collate, pack
 from grpo.quiet import filtered_stderr, quiet_logs
 from grpo.video import video_processor_size
@@ -116,8 +116,8 @@ def encode_prompt(processor, example) -> Prompt:
     )  # fmt: skip
 
 
-def vision_token_ids(tokenizer, tokens=models.VISION_TOKENS) -> list[int]:
-    """Ids of the family's vision special tokens (models.Family.vision_tokens): sampling one would put an image
+def vision_token_ids(tokenizer, tokens=families.VISION_TOKENS) -> list[int]:
+    """Ids of the family's vision special tokens (families.Family.vision_tokens): sampling one would put an image
     placeholder into a response, and the next training forward fails with "Image features and image tokens do not
     match". They are forbidden at every sampling step."""
     vocab = tokenizer.get_vocab()
@@ -131,7 +131,7 @@ class HFEngine:
     `generate` returns token ids only: asking it for logits (`output_logits`) would keep a fp32 (rows, vocab) tensor
     per decode step until the call ends, 0.6 MB a row and step for Qwen's 151,936 tokens (~400 GB for 320 answers of
     2,048 tokens). The sampled tokens' log-probs come instead from one no-grad forward over each chunk's prompts and
-    answers (models.forward_logprobs: chunked LM head, no full logits), and at most `rollout.max_num_seqs` sequences
+    answers (logprobs.forward_logprobs: chunked LM head, no full logits), and at most `rollout.max_num_seqs` sequences
     go through one generate call, which bounds the KV cache and that forward alike."""
 
     def __init__(self, cfg, processor):
@@ -157,7 +157,7 @@ class HFEngine:
     def sync_weights(self, model):
         # it samples with the training model itself: "syncing" is pointing at it
         self.model = model
-        self.forbidden = vision_token_ids(self.tokenizer, models.family(model).vision_tokens)
+        self.forbidden = vision_token_ids(self.tokenizer, families.family(model).vision_tokens)
         eos = model.generation_config.eos_token_id or self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.image_token_id = model.config.image_token_id
@@ -207,10 +207,10 @@ class HFEngine:
         of a prompt it holds) and drops what they return. Returns the agreed number of calls and the filler.
 
         Whether a call's prompts have images does not matter: every generate call and every log-prob forward runs
-        the vision tower once, on a dummy image when it has none (models.add_vision_dummy, _sample_chunk), as the
+        the vision tower once, on a dummy image when it has none (logprobs.add_vision_dummy, _sample_chunk), as the
         training forwards do. A rank with no prompt at all borrows one from another rank, to have something to
         generate from."""
-        device = models.compute_device(self.model)
+        device = logprobs.compute_device(self.model)
         need = torch.tensor([chunks, -len(prompts)], device=device)  # MAX of both: most chunks, fewest prompts
         if world > 1:
             dist.all_reduce(need, op=dist.ReduceOp.MAX)
@@ -226,17 +226,17 @@ class HFEngine:
         """One generate call on `prompts` (one sequence each), then one no-grad forward for the log-probs of what it
         sampled. Returns (response ids cut after the first end-of-sequence token, their log-probs, truncated) per
         prompt."""
-        device = models.compute_device(self.model)
+        device = logprobs.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         one_pass = contextlib.nullcontext()
         if "pixel_values" in inputs and "pixel_values_videos" in inputs:
             # one tower pass for both, whether generate encodes them before its prefill (transformers 5.19) or the
             # prefill's forward does (5.17)
-            one_pass = models.one_vision_pass(self.model, *(inputs[k] for k in VISION_INPUTS[:4]))
+            one_pass = logprobs.one_vision_pass(self.model, *(inputs[k] for k in VISION_INPUTS[:4]))
         elif "pixel_values" not in inputs and "pixel_values_videos" not in inputs:
-            if models.generate_encodes_images_first(self.model):
-                models.vision_dummy(self.model)  # where generate runs the tower on another rank's images
+            if logprobs.generate_encodes_images_first(self.model):
+                logprobs.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
         with one_pass:
             sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
@@ -251,7 +251,7 @@ class HFEngine:
             batch, response_ids, _ = pack(prompts, responses, self.image_token_id)
         else:
             batch, response_ids, _ = collate(prompts, responses, self.pad_id, self.image_token_id)
-        logp = models.forward_logprobs(self.model, batch, response_ids, temperature)[0].cpu()  # (C, T)
+        logp = logprobs.forward_logprobs(self.model, batch, response_ids, temperature)[0].cpu()  # (C, T)
         return [(ids, logp[row, : len(ids)].tolist(), cut) for row, (ids, cut) in enumerate(zip(responses, truncated))]
 
 
@@ -331,7 +331,7 @@ class VLLMEngine:
 
         r, d = cfg.rollout, cfg.data
         rank = dist.get_rank()
-        family = models.family_of(cfg.actor.model_path)
+        family = families.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
         self.max_videos = r.max_videos_per_prompt
         if min(self.max_images, self.max_videos) < 0:

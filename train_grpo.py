@@ -24,7 +24,7 @@ Launch:
 
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
-data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
+data.py (prompts and images), families.py, loading.py, attention.py, logprobs.py (the policy as a network), batching.py
 (micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
 backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
 mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers),
@@ -46,21 +46,17 @@ import torch.distributed as dist
 
 import rollout
 from grpo import mismatch, partial, preflight, turns
+from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
+from grpo.loading import load_policy_and_reference, reshard
 from grpo.logger import MetricsLogger, save_config
+from grpo.logprobs import compute_device, forward_logprobs
 from grpo.lora import adapters_disabled
 from grpo.memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
 from grpo.mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
-from grpo.models import (
-    OWN_PACKED_ATTENTION,
-    compute_device,
-    forward_logprobs,
-    load_policy_and_reference,
-    reshard,
-)
 from grpo.offload import TrainerOffload
 from grpo.optim import make_optimizer
 from grpo.preflight import check_paths

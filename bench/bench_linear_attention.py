@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo import linear_attention, models  # noqa: E402
+from grpo import attention, linear_attention  # noqa: E402
 
 
 def layer(width, device, dtype):
@@ -90,7 +90,7 @@ def compare(module, args, share, device, dtype):
     """Milliseconds per forward + backward of the old path and of the packed one on the same row."""
     segments, length = rows(args, share)
     hidden = torch.randn(1, length, module.hidden_size, device=device, dtype=dtype, requires_grad=True)
-    layout = models.PackedLayout(segments, length, device)
+    layout = attention.PackedLayout(segments, length, device)
 
     def step(forward):
         module.zero_grad(set_to_none=True)

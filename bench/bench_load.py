@@ -1,8 +1,8 @@
 """Host memory of loading the policy and the reference on 8 CPU ranks, the old way against the new, in one run.
 
 - old: every rank calls from_pretrained in fp32 (the whole model), then FSDP2 keeps its shard; twice (the policy,
-  then the reference), as models.py did before the loader read shards.
-- new: models.load_policy_and_reference: built on the meta device, sharded, each rank reading only its rows of
+  then the reference), as the loader did before it read shards.
+- new: loading.load_policy_and_reference: built on the meta device, sharded, each rank reading only its rows of
   each weight from the safetensors; the reference in the compute dtype.
 
 Both include the first root forward of each model (root_forward), as the trainer does. Then each exports the policy
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from grpo import checkpoint, models  # noqa: E402
+from grpo import attention, checkpoint, loading  # noqa: E402
 from grpo.runtime import exit_rank  # noqa: E402
 
 
@@ -86,12 +86,12 @@ def reset_peak():
 
 
 def old_load(path, device):
-    """What models.load_policy_and_reference did before: from_pretrained (fp32, whole) on every rank, then shard."""
-    model = models.apply_fsdp(models.load_model(path, device, "sdpa"), device)
-    models.root_forward(model, 0)
-    ref = models.load_model(path, device, "sdpa").requires_grad_(False).eval()
-    models.apply_fsdp(ref, device)
-    models.root_forward(ref, 0)
+    """What loading.load_policy_and_reference did before: from_pretrained (fp32, whole) on every rank, then shard."""
+    model = loading.apply_fsdp(loading.load_model(path, device, "sdpa"), device)
+    loading.root_forward(model, 0)
+    ref = loading.load_model(path, device, "sdpa").requires_grad_(False).eval()
+    loading.apply_fsdp(ref, device)
+    loading.root_forward(ref, 0)
     return model, ref
 
 
@@ -117,14 +117,14 @@ def run_rank(args):
 
     dist.init_process_group("gloo")
     device = torch.device("cpu")
-    models._register_attention()  # imports of transformers' attention code: not part of the loading
-    marks, real_root_forward = [], models.root_forward
+    attention._register_attention()  # imports of transformers' attention code: not part of the loading
+    marks, real_root_forward = [], loading.root_forward
 
     def root_forward(model, pad_id):  # note the peak so far: before it, the policy alone is loaded
         marks.append(rss_bytes("VmHWM") - before)
         real_root_forward(model, pad_id)
 
-    models.root_forward = root_forward
+    loading.root_forward = root_forward
     dist.barrier()
     before = reset_peak()
     t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def run_rank(args):
         from grpo.config import ActorConfig
 
         actor = ActorConfig(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False)
-        model, _ = models.load_policy_and_reference(actor, device, True, 0)
+        model, _ = loading.load_policy_and_reference(actor, device, True, 0)
     load = [rss_bytes("VmHWM") - before, time.perf_counter() - t0, marks[0]]
     dist.barrier()
     before = reset_peak()

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import models, runtime  # noqa: E402
+from grpo import loading, runtime  # noqa: E402
 
 
 def timed(fn):
@@ -53,7 +53,7 @@ def bench_generate(engine, model, prompts, params, n, seed, repeats):
         seconds += s
         tokens += total(sum(len(x.response_ids) for x in samples))
     engine.sleep()
-    models.reshard(model)
+    loading.reshard(model)
     return {"tokens": tokens / repeats, "seconds": seconds / repeats, "tokens_per_s": tokens / seconds}
 
 
@@ -85,9 +85,9 @@ def main():
     per_rank = d.rollout_batch_size // world
     prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(rank * per_rank, (rank + 1) * per_rank)]
 
-    model = models.load_model(cfg.actor.model_path, device, cfg.actor.attn_implementation)
-    models.apply_fsdp(model, device)
-    models.root_forward(model, processor.tokenizer.pad_token_id)
+    model = loading.load_model(cfg.actor.model_path, device, cfg.actor.attn_implementation)
+    loading.apply_fsdp(model, device)
+    loading.root_forward(model, processor.tokenizer.pad_token_id)
     model.eval()
     params = rollout.SamplingParams(r.temperature, r.top_p, d.max_response_length)
     seed = cfg.trainer.seed * 1_000_003 + rank

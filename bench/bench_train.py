@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import batching, models  # noqa: E402
+from grpo import attention, batching, logprobs  # noqa: E402
 
 VOCAB = 151936  # Qwen2.5-VL's real vocabulary (embedding rows); --vocab changes it for the whole run
 IMAGE_TOKEN = VOCAB - 1
@@ -83,7 +83,7 @@ def build_model(hidden, layers, device, attn):
                               video_token_id=VOCAB - 2, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     if attn == "sdpa_packed":
-        models._register_attention()
+        attention._register_attention()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = Qwen2_5_VLForConditionalGeneration._from_config(config, attn_implementation=attn, dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -152,9 +152,9 @@ def naive_logprobs(model, batch_inputs, response_ids, temperature):
     """Full (B, T, V) logits, fp32 log_softmax gather, no-grad entropy on the same: the trainer before
     chunked log-probs."""
     logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
-    logp = models.token_logprobs(logits, response_ids, temperature)  # (B, T)
+    logp = logprobs.token_logprobs(logits, response_ids, temperature)  # (B, T)
     with torch.no_grad():
-        entropy = models.entropy_from_logits(logits, temperature)  # (B, T)
+        entropy = logprobs.entropy_from_logits(logits, temperature)  # (B, T)
     return logp, entropy
 
 
@@ -211,7 +211,7 @@ def run_variant(args):
                     logp, _ = naive_logprobs(model, {k: v.to(device) for k, v in inputs.items()},
                                              response_ids.to(device), 1.0)  # fmt: skip
                 else:
-                    logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
+                    logp, _ = logprobs.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
                 mask = mask.to(device)
                 ((logp * mask).sum() / mask.sum()).backward()
             times.append(m.seconds)
@@ -228,7 +228,7 @@ def run_variant(args):
             model.zero_grad(set_to_none=True)
             with Peak(device) as m:
                 for inputs, response_ids, mask in batches:
-                    logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
+                    logp, _ = logprobs.forward_logprobs(model, inputs, response_ids, 1.0, with_entropy=True)
                     ((logp * mask.to(device)).sum() / total).backward()
             times.append(m.seconds)
             peak = m.mib if peak is None else peak

@@ -60,7 +60,7 @@ sys.path.insert(0, REPO)
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import batching, models, routing  # noqa: E402
+from grpo import attention, batching, families, loading, logprobs, routing  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
 
@@ -355,7 +355,7 @@ def rollout_memory(sleeps, planned_gib):
 
 
 def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False, prompts=8, n=4):
-    """vLLM's log-prob of each token it sampled against the trainer's (models.forward_logprobs, FSDP2) after a weight
+    """vLLM's log-prob of each token it sampled against the trainer's (logprobs.forward_logprobs, FSDP2) after a weight
     sync, for text prompts (the data's, its image dropped) and image prompts apart: max and mean |diff| over the
     sampled tokens. bf16 on the GPU (what a run compares as rollout/logprob_diff_*), fp32 on CPU. For an MoE family
     also the share of (token, layer) pairs the two route to other experts (routing.agreement). One rank; vLLM's
@@ -380,10 +380,10 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     ])  # fmt: skip
     rollout.check_prompt_limits(cfg.rollout, [dataset])  # the engine's images a prompt: the data's most, as in training
     engine = rollout.make_engine(cfg, processor)
-    model = models.load_model(model_dir, device, "auto")
-    models.apply_fsdp(model, device)
+    model = loading.load_model(model_dir, device, "auto")
+    loading.apply_fsdp(model, device)
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
-    models.root_forward(model, pad_id)
+    loading.root_forward(model, pad_id)
     model.eval()
     engine.wake()
     engine.sync_weights(model)
@@ -398,13 +398,13 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         answered = [encoded[s.prompt_index] for s in samples]
         batch, response_ids, mask = rollout.collate(answered, [s.response_ids for s in samples], pad_id, image_token_id)
         with torch.no_grad():
-            logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0].float().cpu()  # (B, T)
+            logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0].float().cpu()  # (B, T)
         engine_logp = torch.zeros_like(logp)
         for row, sample in enumerate(samples):
             engine_logp[row, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
         diff = (engine_logp - logp).abs()[mask.bool()]
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
-    if models.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
+    if families.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
     result["seeding"] = seeding_cost(engine, encoded, at_once, response_tokens)
     runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
@@ -429,20 +429,20 @@ def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
                                 format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
         two = [rollout.encode_prompt(processor, dataset[i]) for i in range(2)]
         prompts = [two[0], two[0], two[1], two[1]]  # each prompt twice, the same object: a group of two answers
-        model = models.load_model(model_dir, device, "auto")
-        models.apply_fsdp(model, device)
+        model = loading.load_model(model_dir, device, "auto")
+        loading.apply_fsdp(model, device)
         pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
-        models.root_forward(model, pad_id)
+        loading.root_forward(model, pad_id)
         g = torch.Generator().manual_seed(0)
         # ordinary text tokens (the low ids of the BPE), never a vision special token
         responses = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (response_tokens, 37, 300, 5)]
         diffs = {"attention": model.config._attn_implementation}
         with torch.no_grad():
             padded, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
-            want = models.forward_logprobs(model, padded, response_ids, 1.0)[0]
+            want = logprobs.forward_logprobs(model, padded, response_ids, 1.0)[0]
             for name, shared in (("packed", False), ("shared_prefix", True)):
                 packed = batching.pack(prompts, responses, image_token_id, share_prompts=shared)[0]
-                got = models.forward_logprobs(model, packed, response_ids, 1.0)[0]
+                got = logprobs.forward_logprobs(model, packed, response_ids, 1.0)[0]
                 diff = (got - want).abs()[mask.to(device).bool()]
                 diffs[name] = {"max": diff.max().item(), "mean": diff.mean().item()}
         return diffs
@@ -450,10 +450,10 @@ def packed_vs_padded(model_dir, data_dir, response_tokens, device=None):
         dist.destroy_process_group()
 
 
-def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
+def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attn_implementation="auto"):
     """Max and mean |varlen - sdpa| of the vision tower's merged image features on the same images (four of the
     data's figures), in the compute dtype: the tower under the name that makes transformers hand it the per-image
-    and per-window bounds (models.VISION_VARLEN, one kernel call per block), against the same weights under sdpa,
+    and per-window bounds (attention.VISION_VARLEN, one kernel call per block), against the same weights under sdpa,
     which loops over the images and windows. Both halves of packed_vs_padded go through the same tower path, so
     only this compares the tower's kernel with another."""
     from transformers import AutoProcessor
@@ -468,16 +468,16 @@ def tower_varlen_vs_sdpa(model_dir, data_dir, device=None, attention="auto"):
     prompts = [rollout.encode_prompt(processor, dataset[i]) for i in range(4)]
     pixels = torch.cat([p.pixel_values for p in prompts]).to(device, dtype)  # (patches, dim)
     grid = torch.cat([p.image_grid_thw for p in prompts]).to(device)  # (4, 3)
-    model = models.load_model(model_dir, device, attention, dtype=dtype).to(device)
+    model = loading.load_model(model_dir, device, attn_implementation, dtype=dtype).to(device)
     tower = model.model.visual
-    assert tower.config._attn_implementation == models.VISION_VARLEN, tower.config._attn_implementation
+    assert tower.config._attn_implementation == attention.VISION_VARLEN, tower.config._attn_implementation
     out = {}
     with torch.no_grad():
-        for name in (models.VISION_VARLEN, "sdpa"):
+        for name in (attention.VISION_VARLEN, "sdpa"):
             tower.config._attn_implementation = name
             features = tower(pixels, grid_thw=grid)
             out[name] = getattr(features, "pooler_output", features).float()  # (image tokens, hidden)
-    diff = (out[models.VISION_VARLEN] - out["sdpa"]).abs()
+    diff = (out[attention.VISION_VARLEN] - out["sdpa"]).abs()
     scale = out["sdpa"].abs().mean().item()
     del model
     return {"max": diff.max().item(), "mean": diff.mean().item(), "mean_abs_feature": scale, "tokens": diff.shape[0]}
@@ -511,7 +511,7 @@ def engine_vs_trainer_process(model_dir, data_dir, args):
     import subprocess
 
     # an MoE's routing is read by module hooks, which CUDA graphs and torch.compile's graphs do not run: eager there
-    eager = args.enforce_eager or models.family_of(model_dir).moe
+    eager = args.enforce_eager or families.family_of(model_dir).moe
     cmd = [sys.executable, os.path.abspath(__file__), "--engine-vs-trainer", model_dir, data_dir, "--response-tokens",
            str(args.response_tokens), *(["--enforce-eager"] if eager else [])]  # fmt: skip
     env = {**START_ENV, "MASTER_PORT": str(int(os.environ.get("MASTER_PORT", "29500")) + 7)}

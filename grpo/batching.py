@@ -194,13 +194,13 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
     """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
     `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
     [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
-    each response see the prompt but not the other responses (models.PackedLayout).
+    each response see the prompt but not the other responses (attention.PackedLayout).
 
     `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
     `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
-    extra host-side entries from which models.forward_logprobs works out positions, attention and the logits it
+    extra host-side entries from which logprobs.forward_logprobs works out positions, attention and the logits it
     needs: `prompt_lens` (G,) and `group_sizes` (G,) of the row's parts, `response_lens` (B,).
     """
     t_len = max(len(r) for r in responses)

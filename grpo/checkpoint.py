@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from grpo import moe
+from grpo.loading import load_model, reshard
 from grpo.lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
-from grpo.models import load_model, reshard
 from grpo.runtime import Stop, phase, print0, resolve_path
 
 

@@ -11,9 +11,9 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from grpo.attention import PACKED_ATTENTION
 from grpo.logger import LOGGERS
 from grpo.mismatch import config_problem as mismatch_problem
-from grpo.models import PACKED_ATTENTION
 from grpo.optim import config_problem as optimizer_problem
 from grpo.partial import config_problem as partial_problem
 from grpo.tools import tools_problem

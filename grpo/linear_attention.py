@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 def use_packed_forward(model):
     """Give every linear-attention layer of a Qwen3.5 model the packed forward of this module for the calls that
-    carry a PackedLayout (models.forward_logprobs passes one with each packed micro-batch)."""
+    carry a PackedLayout (logprobs.forward_logprobs passes one with each packed micro-batch)."""
     for layer in model.model.language_model.layers:
         module = getattr(layer, "linear_attn", None)
         if module is not None:

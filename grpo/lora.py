@@ -1,6 +1,6 @@
 """LoRA adapters (actor.lora_rank > 0) with PEFT: which modules get them, injecting and initialising them, switching
 them off (the reference policy), and the weights as a plain model names them with the adapters merged in, for the
-weight sync to vLLM and the export. models.py loads a model with them (load_sharded), nothing here imports the
+weight sync to vLLM and the export. loading.py loads a model with them (load_sharded), nothing here imports the
 project's other modules.
 
 The adapters go into the model in place (inject_adapter_in_model, no PeftModel

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 GIB = 2**30
 FIT_SHARE = 0.95  # a phase fits when it needs at most this share of the GPU; the rest is for fragmentation
 RUNTIME = 2 * GIB  # CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep (estimate)
-HEAD_CHUNK = 512  # tokens per LM-head chunk (models.chunked_logprobs)
+HEAD_CHUNK = 512  # tokens per LM-head chunk (logprobs.chunked_logprobs)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0  # the plan's node when no GPU is here and the config names none
 LORA_LEVER_RANK = 8  # the adapter rank a plan that does not fit suggests
 
@@ -59,7 +59,7 @@ class PlanError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Model sizes: the few numbers of a config.json the count needs, for each supported family (models.FAMILIES).
+# Model sizes: the few numbers of a config.json the count needs, for each supported family (families.FAMILIES).
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,7 @@ def _tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:
 
 
 def lora_params(s: ModelShape, rank: int, targets) -> dict[str, int]:
-    """Exact parameter counts of LoRA adapters of `rank` on the modules actor.lora_target_modules names (models.py
+    """Exact parameter counts of LoRA adapters of `rank` on the modules actor.lora_target_modules names (lora.py
     reads them the same way: a plain name is a decoder-layer projection, `visual.NAME` one of the vision tower's,
     `lm_head` the output head, `experts` an MoE's routed experts); an adapter on an (in, out) Linear has
     rank x (in + out), one on an experts parameter (E, out, in) that for each of its E experts. Per FSDP2 unit: the

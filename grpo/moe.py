@@ -10,7 +10,7 @@ Checkpoints store them in one of three layouts, and from_pretrained converts whi
 - per_expert: one 2-D tensor per expert and projection, `experts.{e}.gate_proj.weight` (I, H), `up_proj` (I, H),
   `down_proj` (H, I) -- Qwen3.5-MoE's checkpoints (Qwen3.5-35B-A3B), and what transformers' save_pretrained writes
   for it.
-models.load_weights reads a rank's experts from any of them (read_experts), and checkpoint.save_hf writes them back
+loading.load_weights reads a rank's experts from any of them (read_experts), and checkpoint.save_hf writes them back
 in the layout the checkpoint had (export_pieces), so that from_pretrained and vLLM load an export as they loaded the
 original. The weight sync streams them to vLLM one expert at a time (stream_experts), in the per-expert names, which
 vLLM's loaders take for both families (vLLM still holds a whole layer's experts, twice, until the layer is loaded).

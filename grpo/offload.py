@@ -37,7 +37,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from grpo import models
+from grpo import logprobs
 
 ALIGN = 512  # each arena slice starts on a multiple of this, as the blocks of torch's CUDA allocator do
 PAGE = 4096  # an arena starts on a page (cudaHostRegister locks whole pages)
@@ -149,7 +149,7 @@ class TrainerOffload:
     time/onload are the moves at the rollout's boundaries."""
 
     def __init__(self, model, ref_model, optimizer, actor):
-        self.device = models.compute_device(model)
+        self.device = logprobs.compute_device(model)
         self.models = []
         if actor.offload_params:
             self.models.append(model)

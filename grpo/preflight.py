@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
 from grpo import turns
 from grpo.config import ConfigError
-from grpo.models import unsupported_model
+from grpo.loading import unsupported_model
 from grpo.runtime import resolve_path
 from reward import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from rollout import check_prompt_limits, data_media

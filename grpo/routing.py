@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import batching, models, moe
+from grpo import batching, logprobs, moe
 
 
 def record(modules, pick) -> tuple[list[list[torch.Tensor]], list]:
@@ -102,7 +102,7 @@ def trainer_routing(model, prompts, answers, pad_id: int):
     batch, answer_ids, _ = batching.collate(prompts, answers, pad_id, image_token_id)
     rows, handles = record(moe.routers(model), lambda out: out[2])
     try:
-        models.forward_logprobs(model, batch, answer_ids, 1.0)
+        logprobs.forward_logprobs(model, batch, answer_ids, 1.0)
     finally:
         for h in handles:
             h.remove()

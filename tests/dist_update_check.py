@@ -12,7 +12,7 @@ several settings in one launch, one file each (OUT.pt, then OUT.1.pt, OUT.2.pt, 
 The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a token budget the two ranks need
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
 each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
-TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out models.add_vision_dummy.
+TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out logprobs.add_vision_dummy.
 """
 
 import os
@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import models, runtime  # noqa: E402
+from grpo import loading, runtime  # noqa: E402
 from grpo.stats import StepStats  # noqa: E402
 
 PROMPTS, N = 4, 2
@@ -54,7 +54,7 @@ def main():
         plan = train_grpo.plan_micro_batches
         train_grpo.plan_micro_batches = lambda lengths, budget: plan(lengths, budget) + [[]]
     if os.environ.get("NO_VISION_DUMMY"):
-        models.add_vision_dummy = lambda model: None
+        loading.add_vision_dummy = lambda model: None  # where apply_fsdp looks it up
 
     model_dir, out_path, micro, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     sets, rest = [], sys.argv[5:]
@@ -103,9 +103,9 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     ]
     local_prompts = prompts[rank * per_rank : (rank + 1) * per_rank]
 
-    model = models.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
-    models.apply_fsdp(model, device)
-    models.root_forward(model, processor.tokenizer.pad_token_id)
+    model = loading.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
+    loading.apply_fsdp(model, device)
+    loading.root_forward(model, processor.tokenizer.pad_token_id)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = StepStats()

@@ -20,7 +20,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import models, runtime  # noqa: E402
+from grpo import loading, runtime  # noqa: E402
 
 N, MAX_TOKENS = 2, 8
 RANK_PROMPTS = [[0, 1, 2], [3]]
@@ -44,7 +44,7 @@ def image_prompts(processor, count):
 def tiny_policy(model_dir, processor):
     """The tiny model with its <|im_end|> logit scaled up: a random model would almost never end an answer, and the
     tests need answers that end early next to answers that hit the token limit."""
-    model = models.load_model(model_dir, torch.device("cpu"), "sdpa")
+    model = loading.load_model(model_dir, torch.device("cpu"), "sdpa")
     with torch.no_grad():
         model.lm_head.weight[processor.tokenizer.convert_tokens_to_ids("<|im_end|>")] *= 80
     return model.eval()
@@ -76,8 +76,8 @@ def main():
     prompts = image_prompts(processor, sum(len(p) for p in RANK_PROMPTS))
     mine = [prompts[i] for i in RANK_PROMPTS[rank]]
     model = tiny_policy(model_dir, processor)
-    models.apply_fsdp(model, device)
-    models.root_forward(model, processor.tokenizer.pad_token_id)
+    loading.apply_fsdp(model, device)
+    loading.root_forward(model, processor.tokenizer.pad_token_id)
     engine = hf_engine(processor, max_num_seqs=2)
     engine.sync_weights(model)
     calls = count_generate_calls(model)

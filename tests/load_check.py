@@ -1,4 +1,4 @@
-"""Load checkpoints with models.load_sharded under torchrun and compare with from_pretrained; rank 0 writes the facts.
+"""Load checkpoints with loading.load_sharded under torchrun and compare with from_pretrained; rank 0 writes the facts.
 
 Used by test_loading.py, on 1 and 2 ranks:
 
@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import batching, checkpoint, lora, models, runtime  # noqa: E402
+from grpo import batching, checkpoint, loading, logprobs, lora, runtime  # noqa: E402
 from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch  # noqa: E402
 
@@ -65,7 +65,7 @@ def lora_facts(tiny, base, processor, out_dir):
     overrides = ["actor.lora_rank=8", "actor.lora_alpha=32", f"actor.lora_target_modules={targets}"]
     cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", *overrides])
     pad_id = processor.tokenizer.pad_token_id
-    policy, ref = models.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
+    policy, ref = loading.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
     facts = {"lora/ref_is_policy": ref is policy}
     trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
     facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not lora.is_lora_factor(n)]
@@ -89,7 +89,7 @@ def lora_facts(tiny, base, processor, out_dir):
     ]
     # after the reference forwards (adapters off) every adapter still gets its gradient, the root's (lm_head) too
     policy.train()
-    logp, _ = models.forward_logprobs(policy, *packed_batch(processor), 1.0)
+    logp, _ = logprobs.forward_logprobs(policy, *packed_batch(processor), 1.0)
     logp.sum().backward()
     facts["lora/adapters_without_grad"] = [n for n, p in trainable if ".lora_B." in n and p.grad is None]
     policy.zero_grad(set_to_none=True)
@@ -100,14 +100,14 @@ def lora_facts(tiny, base, processor, out_dir):
     checkpoint.save_adapter(policy, adapter)
     inputs, response_ids = packed_batch(processor)
     with torch.no_grad():
-        adapted, _ = models.forward_logprobs(policy, dict(inputs), response_ids, 0.9)  # collective
+        adapted, _ = logprobs.forward_logprobs(policy, dict(inputs), response_ids, 0.9)  # collective
     policy.reshard()
     if rank == 0:
-        names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
+        names = lambda d: sorted(k for f in loading._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
         facts["lora/export_names_equal_base"] = names(export) == names(tiny)
-        merged = models.load_model(export, cpu, "sdpa")  # from_pretrained, with the packed attention
+        merged = loading.load_model(export, cpu, "sdpa")  # from_pretrained, with the packed attention
         with torch.no_grad():
-            logp, _ = models.forward_logprobs(merged, dict(inputs), response_ids, 0.9)
+            logp, _ = logprobs.forward_logprobs(merged, dict(inputs), response_ids, 0.9)
         facts["lora/export_vs_adapted_max_abs_diff"] = (logp - adapted).abs().max().item()
         peft_model = PeftModel.from_pretrained(Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny), adapter)
         by_peft = peft_model.merge_and_unload().state_dict()
@@ -128,35 +128,35 @@ def main():
     facts = {}
     for label, path in (("tiny", tiny), ("bf16_sharded", bf16_sharded), ("tied", tied)):
         for dtype in (torch.float32, torch.bfloat16):
-            model = models.load_sharded(path, cpu, "sdpa", dtype=dtype)
+            model = loading.load_sharded(path, cpu, "sdpa", dtype=dtype)
             reference = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype)
             facts[f"{label}/{str(dtype)[6:]}/mismatches"] = mismatches(model, reference)
         # save_hf of the fp32 model: the checkpoint's own names, read back equal to the checkpoint (upcast)
-        model = models.load_sharded(path, cpu, "sdpa")
+        model = loading.load_sharded(path, cpu, "sdpa")
         facts[f"{label}/tied"] = model.lm_head.weight is model.model.language_model.embed_tokens.weight
         processor = AutoProcessor.from_pretrained(tiny)
         for split, max_bytes in (("one", 50 * 10**9), ("split", 100_000)):
             export = os.path.join(out_dir, f"{label}_{split}_{dist.get_world_size()}")
             checkpoint.save_hf(model, processor, export, max_shard_bytes=max_bytes)
             if rank == 0:
-                names = lambda d: sorted(k for f in models._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
+                names = lambda d: sorted(k for f in loading._safetensors_files(d) for k in safe_open(f, "pt").keys())  # noqa: E731
                 facts[f"{label}/export_{split}/same_names"] = names(export) == names(path)
-                facts[f"{label}/export_{split}/files"] = len(models._safetensors_files(export))
+                facts[f"{label}/export_{split}/files"] = len(loading._safetensors_files(export))
                 facts[f"{label}/export_{split}/mismatches"] = mismatches(read_export(export), read_export(path))
 
     # the packed log-probs of a model loaded the new way equal those of one loaded the old way
     processor = AutoProcessor.from_pretrained(tiny)
     inputs, response_ids = packed_batch(processor)
-    old = models.apply_fsdp(models.load_model(tiny, cpu, "sdpa"), cpu)
-    new = models.load_sharded(tiny, cpu, "sdpa")
+    old = loading.apply_fsdp(loading.load_model(tiny, cpu, "sdpa"), cpu)
+    new = loading.load_sharded(tiny, cpu, "sdpa")
     with torch.no_grad():
-        logp_old, _ = models.forward_logprobs(old, dict(inputs), response_ids, 0.9)
-        logp_new, _ = models.forward_logprobs(new, dict(inputs), response_ids, 0.9)
+        logp_old, _ = logprobs.forward_logprobs(old, dict(inputs), response_ids, 0.9)
+        logp_new, _ = logprobs.forward_logprobs(new, dict(inputs), response_ids, 0.9)
     facts["packed_logp_max_abs_diff"] = (logp_new - logp_old).abs().max().item()
     facts["packed_logp_nonzero"] = int((logp_new != 0).sum())
 
     actor = ActorConfig(model_path=tiny, attn_implementation="auto", freeze_vision_tower=True)
-    policy, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
+    policy, ref = loading.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
     facts["policy_dtypes"] = sorted({str(p.dtype) for p in policy.parameters()})
     facts["policy_trainable"] = {part: sorted({p.requires_grad for n, p in policy.named_parameters() if part in n})
                                  for part in ("visual", "language_model", "lm_head")}  # fmt: skip

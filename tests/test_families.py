@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from grpo import batching, models, moe
+from grpo import batching, families, loading, logprobs, moe
 from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
@@ -38,7 +38,7 @@ def test_packed_equals_padded(tiny_family_dir, family):
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     torch.manual_seed(0)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     assert model.config.model_type == family
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _mixed_batch(processor, image_token_id)
@@ -47,7 +47,7 @@ def test_packed_equals_padded(tiny_family_dir, family):
     results = {}
     for name, (inputs, response_ids, mask) in (("padded", padded), ("packed", packed)):
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[name] = (logp.detach() * mask, ent.detach() * mask, _grads(model))
     (logp_a, ent_a, grads_a), (logp_b, ent_b, grads_b) = results["padded"], results["packed"]
@@ -69,13 +69,13 @@ def test_shared_prefix_equals_unshared(tiny_family_dir, family):
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     torch.manual_seed(0)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     prompts, responses = _groups(processor)
     results = {}
     for share in (False, True):
         inputs, response_ids, mask = batching.pack(prompts, responses, model.config.image_token_id, share)
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[share] = (logp.detach() * mask, _grads(model))
     (logp_u, grads_u), (logp_s, grads_s) = results[False], results[True]
@@ -92,15 +92,15 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
 
     path = tiny_family_dir("qwen3_5")
     processor = AutoProcessor.from_pretrained(path)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     prompts, responses = _mixed_batch(processor, model.config.image_token_id)
     inputs, response_ids, mask = batching.pack(prompts, responses, model.config.image_token_id)
     with torch.no_grad():
-        segmentwise = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
+        segmentwise = logprobs.forward_logprobs(model, inputs, response_ids, 1.0)[0]
         for layer in model.model.language_model.layers:
             if hasattr(layer, "linear_attn"):
                 del layer.linear_attn.forward  # back to transformers' own forward over the whole row
-        whole_row = models.forward_logprobs(model, inputs, response_ids, 1.0)[0]
+        whole_row = logprobs.forward_logprobs(model, inputs, response_ids, 1.0)[0]
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
@@ -120,7 +120,7 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path
     path = tiny_family_dir(family)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        model = models.load_sharded(path, torch.device("cpu"), "sdpa")
+        model = loading.load_sharded(path, torch.device("cpu"), "sdpa")
         assert mismatches(model, AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)) == []
         export = tmp_path / "export"
         checkpoint.save_hf(model, AutoProcessor.from_pretrained(path), str(export))
@@ -128,11 +128,11 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path
         dist.destroy_process_group()
 
     def shapes(d):
-        return {k: safe_open(f, "pt").get_slice(k).get_shape() for f in models._safetensors_files(d)
+        return {k: safe_open(f, "pt").get_slice(k).get_shape() for f in loading._safetensors_files(d)
                 for k in safe_open(f, "pt").keys()}  # fmt: skip
 
     assert shapes(str(export)) == shapes(path)
-    assert models.unsupported_model(str(export)) is None
+    assert loading.unsupported_model(str(export)) is None
     if family.endswith("_moe"):  # the export's experts are the checkpoint's, in its layout
         assert mismatches(AutoModelForImageTextToText.from_pretrained(str(export), dtype=torch.float32),
                           AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)) == []  # fmt: skip
@@ -166,12 +166,12 @@ def test_weights_missing_or_unexpected_stop_at_start(tiny_family_dir, tmp_path, 
     for name, edit, message in (("extra", extra, "unexpected"), ("lacking", lacking, "missing")):
         bad = _copy_checkpoint(path, tmp_path / name, edit)
         with pytest.raises(ValueError, match=f"1 {message} tensors.*{SUPPORTED}"):
-            models.load_model(bad, cpu, "sdpa", meta=meta)
+            loading.load_model(bad, cpu, "sdpa", meta=meta)
         if meta:  # the start-up check (train_grpo.check_paths) says the same before anything loads
-            assert f"1 {message} tensors" in models.unsupported_model(bad)
+            assert f"1 {message} tensors" in loading.unsupported_model(bad)
     ok = _copy_checkpoint(path, tmp_path / "mtp", mtp)
-    models.load_model(ok, cpu, "sdpa", meta=meta)
-    assert models.unsupported_model(ok) is None
+    loading.load_model(ok, cpu, "sdpa", meta=meta)
+    assert loading.unsupported_model(ok) is None
 
 
 def test_unsupported_model_type_stops_at_start(tiny_family_dir, tmp_path):
@@ -182,11 +182,11 @@ def test_unsupported_model_type_stops_at_start(tiny_family_dir, tmp_path):
     config["model_type"] = "qwen3_omni_moe"
     (path / "config.json").write_text(json.dumps(config))
     message = f"model_type 'qwen3_omni_moe' is not supported; {SUPPORTED}"
-    assert models.unsupported_model(str(path)) == message
+    assert loading.unsupported_model(str(path)) == message
     with pytest.raises(ValueError, match=message):
-        models.load_model(str(path), torch.device("cpu"), "sdpa")
+        loading.load_model(str(path), torch.device("cpu"), "sdpa")
     for family in FAMILIES:
-        assert models.unsupported_model(tiny_family_dir(family)) is None
+        assert loading.unsupported_model(tiny_family_dir(family)) is None
 
 
 def test_image_processor_of_another_family_stops_at_start(tiny_family_dir, tmp_path):
@@ -197,7 +197,7 @@ def test_image_processor_of_another_family_stops_at_start(tiny_family_dir, tmp_p
     with open(os.path.join(tiny_family_dir("qwen2_5_vl"), "processor_config.json")) as f:
         config["image_processor"] = json.load(f)["image_processor"]
     (path / "processor_config.json").write_text(json.dumps(config))
-    problem = models.unsupported_model(str(path))
+    problem = loading.unsupported_model(str(path))
     assert problem == "its image processor fits images to 28 px (patch x merge), its model family's tower to 32"
 
 
@@ -241,7 +241,7 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
     weights for torch's matmul (vllm_compat.torch_cpu_linear)."""
     family, ranks = vllm_run
     text_bound, image_bound = VLLM_BOUNDS[family]
-    fp32 = models.FAMILIES[family].vllm_cpu_dtype == torch.float32
+    fp32 = families.FAMILIES[family].vllm_cpu_dtype == torch.float32
     for rank in ranks:
         layers, packed = rank["linear_kernels_after_sync"]
         assert layers >= 10 and (packed == 0 or not fp32), (layers, packed)
@@ -364,7 +364,7 @@ def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
 
     processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
     side = data.image_side(processor.image_processor)
-    assert side == models.FAMILIES[family].image_side == (28 if family == "qwen2_5_vl" else 32)
+    assert side == families.FAMILIES[family].image_side == (28 if family == "qwen2_5_vl" else 32)
     min_pixels, max_pixels = 56 * 56, 112 * 112
     data.set_pixel_range(processor, min_pixels, max_pixels)
     img = data.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)

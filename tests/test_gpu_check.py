@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from grpo import models
+from grpo import attention
 from tests.launch import REPO
 from train_grpo import check_config, load_config
 
@@ -168,7 +168,7 @@ def test_gpu_check_tower_comparison_runs_on_cpu(tiny_family_dir, tmp_path, monke
         calls.append(causal)
         return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
-    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", kernel)
     make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)
     gpu_check = load_gpu_check()
     path = tiny_family_dir(family)
@@ -275,7 +275,7 @@ def test_gpu_check_comparison_process_starts_clean_and_says_how_it_failed(monkey
         return subprocess.CompletedProcess(cmd, -9)
 
     monkeypatch.setattr(subprocess, "run", run)
-    monkeypatch.setattr(gpu_check.models, "family_of", lambda path: types.SimpleNamespace(moe=False))
+    monkeypatch.setattr(gpu_check.families, "family_of", lambda path: types.SimpleNamespace(moe=False))
     monkeypatch.setenv("SET_BY_THE_RUN", "1")
     args = types.SimpleNamespace(enforce_eager=False, response_tokens=64)
     assert gpu_check.engine_vs_trainer_process(str(tmp_path), str(tmp_path), args) == {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rollout
-from grpo import batching, models
+from grpo import batching, logprobs
 from tests.hf_engine_check import count_generate_calls, hf_engine, image_prompts, tiny_policy
 from tests.launch import torchrun
 
@@ -56,7 +56,7 @@ def test_logprobs_equal_a_forward_and_the_old_generate_logits(tiny_model_dir, ti
         engine.image_token_id,
     )  # fmt: skip
     with torch.no_grad():
-        logp = models.forward_logprobs(model, batch, response_ids, params.temperature)[0]  # (B*n, T)
+        logp = logprobs.forward_logprobs(model, batch, response_ids, params.temperature)[0]  # (B*n, T)
     got = torch.zeros_like(logp)
     for row, s in enumerate(samples):
         got[row, : len(s.logprobs)] = torch.tensor(s.logprobs)
@@ -167,6 +167,6 @@ def test_two_ranks_with_unequal_prompts_and_chunks(tiny_model_dir, tiny_processo
         batch, response_ids, _ = batching.pack([mine[s[0]] for s in sampled], [s[1] for s in sampled],
                                                  engine.image_token_id)  # fmt: skip
         with torch.no_grad():
-            logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
+            logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
         for row, s in enumerate(sampled):
             torch.testing.assert_close(torch.tensor(s[2]), logp[row, : len(s[1])], rtol=0, atol=1e-5)

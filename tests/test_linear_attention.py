@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from grpo import batching, linear_attention, models
+from grpo import attention, batching, linear_attention, loading, logprobs
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
@@ -56,7 +56,7 @@ def qwen3_5(tiny_family_dir):
 
     path = tiny_family_dir("qwen3_5")
     torch.manual_seed(0)
-    return models.load_model(path, torch.device("cpu"), "sdpa"), AutoProcessor.from_pretrained(path)
+    return loading.load_model(path, torch.device("cpu"), "sdpa"), AutoProcessor.from_pretrained(path)
 
 
 def _linear_layer(model):
@@ -79,7 +79,7 @@ def test_packed_layer_equals_its_own_forward_per_sequence(qwen3_5, fla_calls, ke
     # [plain 5 | prompt 2 | answer 3 | answer 4 | prompt 70 | answer 66]: 70 and 66 span more than one 64-token chunk
     segments = [(0, 5, 0, 0), (5, 7, 0, 0), (7, 10, 5, 7), (10, 14, 5, 7), (14, 84, 0, 0), (84, 150, 14, 84)]
     hidden = torch.randn(1, 150, model.config.text_config.hidden_size, requires_grad=True)  # (1, L, H)
-    layout = models.PackedLayout(segments, 150, torch.device("cpu"))
+    layout = attention.PackedLayout(segments, 150, torch.device("cpu"))
     weight = torch.randn(1, 150, hidden.shape[-1])  # (1, L, H), a random cotangent
     layer.zero_grad(set_to_none=True)
     out = layer(hidden, packed_layout=layout)  # (1, L, H)
@@ -126,7 +126,7 @@ def test_packed_model_with_the_fla_signature_equals_padded(qwen3_5, fla_calls, s
     ):
         model.zero_grad(set_to_none=True)
         fla_calls.clear()
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[name] = (logp.detach() * mask, {n: p.grad.clone() for n, p in model.named_parameters()
                                                   if p.grad is not None}, list(fla_calls))  # fmt: skip
@@ -195,7 +195,7 @@ def test_plan_of_a_short_prompt():
     """Guards against the convolution's context being taken from the wrong tokens: hand-worked indices for a row
     [plain 2 | prompt 2 | answer 3 | answer 1] and a window of 4 (context 3: zeros, or the prompt's last tokens with
     zeros before them when it is shorter)."""
-    layout = models.PackedLayout([(0, 2, 0, 0), (2, 4, 0, 0), (4, 7, 2, 4), (7, 8, 2, 4)], 8, torch.device("cpu"))
+    layout = attention.PackedLayout([(0, 2, 0, 0), (2, 4, 0, 0), (4, 7, 2, 4), (7, 8, 2, 4)], 8, torch.device("cpu"))
     p = linear_attention.plan(layout, 4)
     z = 8  # the zero slot
     assert p.conv_index.tolist() == [z, z, z, 0, 1, z, z, z, 2, 3, z, 2, 3, 4, 5, 6, z, 2, 3, 7]

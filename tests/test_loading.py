@@ -1,4 +1,4 @@
-"""Loading that scales: models.load_sharded builds the model on the meta
+"""Loading that scales: loading.load_sharded builds the model on the meta
 device, shards it and reads each rank's rows from the safetensors; checkpoint.save_hf writes weight by weight. Both
 must give exactly what from_pretrained and save_pretrained give."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo import lora, models
+from grpo import loading, logprobs, lora
 from grpo.config import ActorConfig
 from tests.launch import free_port, torchrun
 
@@ -41,8 +41,8 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_model_dir, checkpoin
     bf16_sharded, tied = checkpoints
     torchrun(world, "tests/load_check.py", tiny_model_dir, bf16_sharded, tied, str(tmp_path))
     facts = json.loads((tmp_path / "facts.json").read_text())
-    assert len(models._safetensors_files(bf16_sharded)) > 1
-    assert "lm_head.weight" not in safe_open(models._safetensors_files(tied)[0], "pt").keys()
+    assert len(loading._safetensors_files(bf16_sharded)) > 1
+    assert "lm_head.weight" not in safe_open(loading._safetensors_files(tied)[0], "pt").keys()
     for label in ("tiny", "bf16_sharded", "tied"):
         for dtype in ("float32", "bfloat16"):
             assert facts[f"{label}/{dtype}/mismatches"] == [], (label, dtype)
@@ -92,7 +92,7 @@ def test_missing_or_misshapen_tensor_fails_naming_it(tiny_model_dir, tmp_path, o
             edited["model.layers.1.mlp.up_proj.weight"] = edited["model.layers.1.mlp.up_proj.weight"][:-1]
         save_file(edited, broken / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight"):
-            models.load_sharded(str(broken), torch.device("cpu"), "sdpa")
+            loading.load_sharded(str(broken), torch.device("cpu"), "sdpa")
 
 
 def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_group):
@@ -104,9 +104,9 @@ def test_lora_on_a_head_tied_to_the_embeddings_is_refused(checkpoints, one_rank_
     actor = SimpleNamespace(lora_rank=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["q_proj", "lm_head"],
                             model_path=tied)  # fmt: skip
     with pytest.raises(ValueError, match="lm_head is tied"):
-        models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
+        loading.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     actor.lora_target_modules = ["q_proj"]  # the decoder layers alone are fine
-    model = models.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
+    model = loading.load_sharded(tied, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     assert sorted({n.rsplit(".", 4)[-4] for n, p in model.named_parameters() if p.requires_grad}) == ["q_proj"]
 
 
@@ -127,16 +127,16 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
     targets = ["q_proj", "v_proj", "down_proj", "visual.qkv", "lm_head"]
     actor = ActorConfig(model_path=tiny_model_dir, lora_rank=8, attn_implementation="sdpa",
                                    lora_target_modules=targets)  # fmt: skip
-    cpu, load_sharded = torch.device("cpu"), models.load_sharded
-    monkeypatch.setattr(models, "mixed_precision", lambda device: True)
+    cpu, load_sharded = torch.device("cpu"), loading.load_sharded
+    monkeypatch.setattr(loading, "mixed_precision", lambda device: True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     results = {}
     try:
         for base in (torch.float32, torch.bfloat16):
             if base == torch.float32:  # what LoRA loaded before: fp32 masters of the frozen base
-                monkeypatch.setattr(models, "load_sharded", lambda *a, dtype, **k: load_sharded(*a, **k))
-            model, ref = models.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
-            monkeypatch.setattr(models, "load_sharded", load_sharded)
+                monkeypatch.setattr(loading, "load_sharded", lambda *a, dtype, **k: load_sharded(*a, **k))
+            model, ref = loading.load_policy_and_reference(actor, cpu, True, processor.tokenizer.pad_token_id)
+            monkeypatch.setattr(loading, "load_sharded", load_sharded)
             assert ref is model
             dtypes = {(lora.is_lora_factor(n), p.dtype) for n, p in model.named_parameters()}
             assert dtypes == {(False, base), (True, torch.float32)}
@@ -146,13 +146,13 @@ def test_lora_base_in_bf16_computes_what_fp32_masters_compute(tiny_model_dir, tm
                 lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
             inputs, ids, mask = batching.pack(*_mixed_batch(processor, model.config.image_token_id),
                                              model.config.image_token_id)  # fmt: skip
-            logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+            logp = logprobs.forward_logprobs(model, inputs, ids, 1.0)[0]
             (logp * mask).sum().backward()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
             assert grads and {g.dtype for g in grads.values()} == {torch.float32}
             with torch.no_grad(), lora.adapters_disabled(model):
-                ref_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
-            models.reshard(model)
+                ref_logp = logprobs.forward_logprobs(model, inputs, ids, 1.0)[0]
+            loading.reshard(model)
             checkpoint.save_hf(model, processor, str(tmp_path / str(base)))
             results[base] = logp.detach(), ref_logp, grads
     finally:

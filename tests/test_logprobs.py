@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import batching, models
-from grpo.models import chunked_logprobs, entropy_from_logits, token_logprobs
+from grpo import batching, loading, logprobs
+from grpo.logprobs import chunked_logprobs, entropy_from_logits, token_logprobs
 from tests.launch import free_port
 
 
@@ -99,13 +99,13 @@ def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         if fsdp:
-            models.apply_fsdp(model, torch.device("cpu"))
-            models.root_forward(model, tiny_processor.tokenizer.pad_token_id)
+            loading.apply_fsdp(model, torch.device("cpu"))
+            loading.root_forward(model, tiny_processor.tokenizer.pad_token_id)
         with torch.no_grad():
-            logp_nograd, _ = models.forward_logprobs(model, batch_inputs, response_ids, temperature)
+            logp_nograd, _ = logprobs.forward_logprobs(model, batch_inputs, response_ids, temperature)
         if fsdp:
             model.reshard()
-        logp, ent = models.forward_logprobs(model, batch_inputs, response_ids, temperature, True, True)
+        logp, ent = logprobs.forward_logprobs(model, batch_inputs, response_ids, temperature, True, True)
         (logp.sum() + 0.1 * ent.sum()).backward()
         head_grad, layer_grad = model.lm_head.weight.grad, model.model.language_model.layers[0].mlp.up_proj.weight.grad
         if fsdp:
@@ -116,7 +116,7 @@ def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny
         torch.testing.assert_close(head_grad, head_grad_ref, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(layer_grad, layer_grad_ref, rtol=1e-4, atol=1e-6)
         assert "forward" not in vars(model.lm_head)  # the plain nn.Linear forward is back
-        _, no_entropy = models.forward_logprobs(model, batch_inputs, response_ids, temperature, True, False)
+        _, no_entropy = logprobs.forward_logprobs(model, batch_inputs, response_ids, temperature, True, False)
         assert not no_entropy.requires_grad  # the metric-only entropy builds no graph
     finally:
         if fsdp:

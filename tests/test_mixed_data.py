@@ -81,14 +81,14 @@ def test_vision_dummy_changes_no_logprob_and_no_gradient(tiny_family_dir, family
     leave the log-probs and every other gradient bitwise as they are without it, in every model family."""
     import torch
 
-    from grpo import models
+    from grpo import loading, logprobs
 
     def grads(with_dummy):
-        model = models.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+        model = loading.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
         if with_dummy:
-            models.add_vision_dummy(model)
+            logprobs.add_vision_dummy(model)
         ids = torch.arange(5, 25)[None]  # (1, 20) plain text tokens
-        logp, _ = models.forward_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+        logp, _ = logprobs.forward_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                           ids[:, -6:], 1.0)  # fmt: skip
         logp.sum().backward()
         return logp.detach(), {n: p.grad for n, p in model.named_parameters()}

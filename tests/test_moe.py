@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from grpo import batching, models, moe
+from grpo import batching, loading, logprobs, moe
 from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch
 
@@ -24,7 +24,7 @@ def test_a_ranks_experts_are_read_from_the_checkpoints_layout(tiny_family_dir, f
 
     path = tiny_family_dir(family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    file = models._safetensors_files(path)[0]
+    file = loading._safetensors_files(path)[0]
     with safe_open(file, "pt") as f:
         shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
 
@@ -51,7 +51,7 @@ def test_experts_implementation_per_device(tiny_family_dir):
     with tokens, 128 experts a layer in the real models), or a kernel path on CPU."""
     assert moe.experts_implementation(torch.device("cuda", 0)) == "grouped_mm"
     assert moe.experts_implementation(torch.device("cpu")) == "eager"
-    model = models.load_model(tiny_family_dir("qwen3_vl_moe"), torch.device("cpu"), "sdpa", meta=True)
+    model = loading.load_model(tiny_family_dir("qwen3_vl_moe"), torch.device("cpu"), "sdpa", meta=True)
     assert model.model.language_model.config._experts_implementation == "eager"
     assert "forward eager" in moe.describe(model) and "top-2" in moe.describe(model)
 
@@ -92,7 +92,7 @@ def test_grouped_mm_path_equals_the_loop(tiny_family_dir, family, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", kernel)
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     image_token_id = model.config.image_token_id
     prompts, responses = _mixed_batch(processor, image_token_id)
     padded = batching.collate(prompts, responses, processor.tokenizer.pad_token_id, image_token_id)
@@ -101,7 +101,7 @@ def test_grouped_mm_path_equals_the_loop(tiny_family_dir, family, monkeypatch):
     for impl, (inputs, response_ids, mask) in (("eager", padded), ("grouped_mm", packed)):
         model.set_experts_implementation(impl)
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[impl] = (logp.detach() * mask, {n: p.grad.clone() for n, p in model.named_parameters()})
     layers = model.config.text_config.num_hidden_layers
@@ -125,27 +125,27 @@ def test_router_balance_loss_and_its_gradient_equal_transformers(tiny_family_dir
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     pad_id, cpu, coef = processor.tokenizer.pad_token_id, torch.device("cpu"), 10.0
-    plain = models.load_model(path, cpu, "sdpa")
+    plain = loading.load_model(path, cpu, "sdpa")
     prompts, responses = _mixed_batch(processor, plain.config.image_token_id)
     padded = batching.collate(prompts, responses, pad_id, plain.config.image_token_id)
     packed = batching.pack(prompts, responses, plain.config.image_token_id)
     assert (padded[0]["attention_mask"] == 0).any()  # pads the loss must leave out
 
     inputs, response_ids, mask = padded
-    logp, _ = models.forward_logprobs(plain, inputs, response_ids, 1.0)
+    logp, _ = logprobs.forward_logprobs(plain, inputs, response_ids, 1.0)
     reference = plain(**inputs, output_router_logits=True, use_cache=False).aux_loss
     ((logp * mask).sum() + coef * reference).backward()
     want = {n: p.grad.clone() for n, p in plain.named_parameters()}
     plain.zero_grad(set_to_none=True)  # how much of a router's gradient is the balance's: the log-probs' alone
-    (models.forward_logprobs(plain, inputs, response_ids, 1.0)[0] * mask).sum().backward()
+    (logprobs.forward_logprobs(plain, inputs, response_ids, 1.0)[0] * mask).sum().backward()
     balance_share = {n: (want[n] - p.grad).abs().max() for n, p in plain.named_parameters() if "mlp.gate." in n}
 
-    model = models.load_sharded(path, cpu, "sdpa", gradient_checkpointing=True)
-    models.root_forward(model, pad_id)
+    model = loading.load_sharded(path, cpu, "sdpa", gradient_checkpointing=True)
+    loading.root_forward(model, pad_id)
     balance = moe.RouterBalance(model)
     for inputs, response_ids, mask in (padded, packed):
         model.zero_grad(set_to_none=True)
-        logp, _ = models.forward_logprobs(model, inputs, response_ids, 1.0)
+        logp, _ = logprobs.forward_logprobs(model, inputs, response_ids, 1.0)
         aux = balance.loss()
         torch.testing.assert_close(aux, reference.detach(), rtol=1e-5, atol=1e-6)
         ((logp * mask).sum() + coef * aux).backward()
@@ -153,7 +153,7 @@ def test_router_balance_loss_and_its_gradient_equal_transformers(tiny_family_dir
             torch.testing.assert_close(p.grad.full_tensor(), want[name], rtol=1e-5, atol=1e-5, msg=name)
     assert min(balance_share.values()) > 1e-3, balance_share  # the balance does move every router
     with torch.no_grad():  # no-grad forwards (old/reference log-probs, generation) are not the update's
-        models.forward_logprobs(model, *packed[:2], 1.0)
+        logprobs.forward_logprobs(model, *packed[:2], 1.0)
     with pytest.raises(RuntimeError, match="no forward with gradients"):
         balance.loss()
 
@@ -183,7 +183,7 @@ def test_trainer_routing_is_each_sequences_own(tiny_family_dir, family):
 
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     prompts, answers = _mixed_batch(processor, model.config.image_token_id)
     pad_id = processor.tokenizer.pad_token_id
     rows, types = routing.trainer_routing(model, prompts, answers, pad_id)
@@ -222,7 +222,7 @@ def test_expert_adapters_merge_as_peft_does(tiny_family_dir, family, tmp_path, o
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     actor = ActorConfig(model_path=path, lora_rank=4, lora_target_modules=["q_proj", "experts"])
-    model = models.load_sharded(path, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
+    model = loading.load_sharded(path, torch.device("cpu"), "sdpa", lora=lora.lora_config(actor))
     wrapped = {n: m for n, m in lora.lora_layers(model).items() if hasattr(m, "parameter_name")}
     layers = model.config.text_config.num_hidden_layers
     assert sorted(lora.base_name(n) + "." + m.parameter_name for n, m in wrapped.items()) == sorted(
@@ -237,23 +237,23 @@ def test_expert_adapters_merge_as_peft_does(tiny_family_dir, family, tmp_path, o
 
     prompts, responses = _mixed_batch(processor, model.config.image_token_id)
     inputs, ids, mask = batching.pack(prompts, responses, model.config.image_token_id)
-    logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+    logp = logprobs.forward_logprobs(model, inputs, ids, 1.0)[0]
     (logp * mask).sum().backward()
     for layer in wrapped.values():
         for factor in (layer.lora_A, layer.lora_B):
             assert factor[lora.LORA_ADAPTER].weight.grad.full_tensor().abs().sum() > 0
     with torch.no_grad(), lora.adapters_disabled(model):
-        ref_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+        ref_logp = logprobs.forward_logprobs(model, inputs, ids, 1.0)[0]
     with torch.no_grad():
         calls = []
         monkeypatch.setattr(
             torch.nn.functional, "grouped_mm", lambda *a, **k: [calls.append(1), reference_grouped_mm(*a, **k)][1]
         )
         model.set_experts_implementation("grouped_mm")
-        grouped_logp = models.forward_logprobs(model, inputs, ids, 1.0)[0]
+        grouped_logp = logprobs.forward_logprobs(model, inputs, ids, 1.0)[0]
         model.set_experts_implementation("eager")
     assert len(calls) == 2 * layers  # the adapted experts did go through grouped_mm
-    models.reshard(model)
+    loading.reshard(model)
 
     merged = {}  # the plain model's weights with the adapters merged, as the sync and the export compute them
     for name, p, layer in lora.merged_parameters(model):
@@ -266,15 +266,15 @@ def test_expert_adapters_merge_as_peft_does(tiny_family_dir, family, tmp_path, o
     checkpoint.save_hf(model, processor, str(tmp_path / "hf"))
     checkpoint.save_adapter(model, str(tmp_path / "adapter"))
 
-    plain = models.load_model(path, torch.device("cpu"), "sdpa")
-    base_logp = models.forward_logprobs(plain, inputs, ids, 1.0)[0].detach()
+    plain = loading.load_model(path, torch.device("cpu"), "sdpa")
+    base_logp = logprobs.forward_logprobs(plain, inputs, ids, 1.0)[0].detach()
     peft_merged = PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).merge_and_unload()
     peft_state = peft_merged.state_dict()
     for name, t in merged.items():
         torch.testing.assert_close(peft_state[name], t, rtol=1e-6, atol=1e-6, msg=name)
-    exported = models.load_model(str(tmp_path / "hf"), torch.device("cpu"), "sdpa")
+    exported = loading.load_model(str(tmp_path / "hf"), torch.device("cpu"), "sdpa")
     assert load_file(f"{path}/model.safetensors").keys() == load_file(tmp_path / "hf/model.safetensors").keys()
-    exported_logp = models.forward_logprobs(exported, inputs, ids, 1.0)[0].detach()
+    exported_logp = logprobs.forward_logprobs(exported, inputs, ids, 1.0)[0].detach()
     for other in (exported_logp, grouped_logp):
         torch.testing.assert_close(other * mask, logp.detach() * mask, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ref_logp * mask, base_logp * mask, rtol=1e-6, atol=1e-6)
@@ -288,7 +288,7 @@ def test_expert_adapters_are_refused_where_they_cannot_be(tiny_model_dir):
     from grpo import lora
 
     actor = ActorConfig(model_path=tiny_model_dir, lora_rank=4, lora_target_modules=["q_proj", "experts"])
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa", meta=True)
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa", meta=True)
     with pytest.raises(ValueError, match="qwen2_5_vl has none"):
         lora.add_lora(model, lora.lora_config(actor))
     actor.lora_dropout = 0.1

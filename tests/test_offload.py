@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpo import memory_plan, models, offload, optim
+from grpo import loading, memory_plan, offload, optim
 
 
 def _train_step(model, optimizer, seed):
@@ -48,12 +48,12 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
     pair = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = models.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
+        model = loading.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
         optimizer, _ = optim.make_optimizer(model, actor)
         _train_step(model, optimizer, seed=1)  # AdamW's moments exist from the first step on
         pair.append((model, optimizer))
     (model, optimizer), (twin, twin_optimizer) = pair
-    ref = models.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
+    ref = loading.load_sharded(tiny_model_dir, cpu, "sdpa", dtype=dtype)
     ref.requires_grad_(False)
     before = {**_locals(model), **{f"ref.{n}": t for n, t in _locals(ref).items()}}
     moments = _moments(optimizer)

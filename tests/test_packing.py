@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import batching, models
+from grpo import attention, batching, loading, logprobs
 from grpo.batching import balanced_bins, rebalance_moves, token_budget_micro_batches
 from tests.launch import free_port
 from train_grpo import ConfigError, check_config, load_config
@@ -41,14 +41,14 @@ def test_packed_logprobs_equal_padded_and_alone(tiny_model_dir, tiny_processor, 
     images assigned to the wrong sequence, labels read one position off, and a packed backward that differs from
     the padded one. Reference: every sequence alone, unpadded."""
     torch.manual_seed(0)
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
     assert model.config._attn_implementation == "sdpa_packed"
     pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _mixed_batch(tiny_processor, image_token_id)
     temperature = 0.9
     with torch.no_grad():
         alone = [
-            models.forward_logprobs(model, *batching.collate([p], [r], pad_id, image_token_id)[:2], temperature)[0]
+            logprobs.forward_logprobs(model, *batching.collate([p], [r], pad_id, image_token_id)[:2], temperature)[0]
             for p, r in zip(prompts, responses)
         ]
     padded_inputs, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
@@ -60,12 +60,12 @@ def test_packed_logprobs_equal_padded_and_alone(tiny_model_dir, tiny_processor, 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         if fsdp:
-            models.apply_fsdp(model, torch.device("cpu"))
-            models.root_forward(model, pad_id)
+            loading.apply_fsdp(model, torch.device("cpu"))
+            loading.root_forward(model, pad_id)
         grads = {}
         for name, inputs in (("padded", padded_inputs), ("packed", packed_inputs)):
             model.zero_grad(set_to_none=True)
-            logp, ent = models.forward_logprobs(model, inputs, response_ids, temperature, True, True)
+            logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, temperature, True, True)
             ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
             head, layer = model.lm_head.weight.grad, model.model.language_model.layers[0].self_attn.q_proj.weight.grad
             vision = model.model.visual.blocks[0].attn.qkv.weight.grad
@@ -94,9 +94,9 @@ def test_sdpa_packed_is_plain_sdpa_off_the_packed_path():
     positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
     for args in ((q, k, v, mask), (q, k, v, None)):
         want = sdpa_attention_forward(module, *args)[0]
-        torch.testing.assert_close(models.sdpa_packed(module, *args, position_ids=positions)[0], want)
+        torch.testing.assert_close(attention.sdpa_packed(module, *args, position_ids=positions)[0], want)
     # one packed row of two sequences: each half equals that half alone
-    got = models.sdpa_packed(module, q[:1], k[:1], v[:1], None, position_ids=positions[:1])[0]
+    got = attention.sdpa_packed(module, q[:1], k[:1], v[:1], None, position_ids=positions[:1])[0]
     for s, e in ((0, 3), (3, 6)):
         alone = sdpa_attention_forward(module, q[:1, :, s:e], k[:1, :, s:e], v[:1, :, s:e], None)[0]
         torch.testing.assert_close(got[:, s:e], alone)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import rollout
-from grpo import batching, models
+from grpo import attention, batching, loading, logprobs
 from grpo.batching import shared_prefix_parts
 from tests.test_varlen import reference_varlen
 
@@ -33,15 +33,15 @@ def _groups(processor):
     return order, responses
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "varlen_packed"])
-def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attention, monkeypatch):
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "varlen_packed"])
+def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attn_implementation, monkeypatch):
     """Guards against an answer that sees another answer of its group, positions that do not continue from the
     prompt as they would alone, a first answer token predicted from the wrong position, images counted once too
     often or too rarely, and a prompt gradient that is not the sum of its copies' -- for the CPU block mask and
     for the CUDA varlen path (the kernel swapped for its CPU reference, prompt keys gathered per answer)."""
-    monkeypatch.setattr(models, "varlen_kernel", reference_varlen)
+    monkeypatch.setattr(attention, "varlen_kernel", reference_varlen)
     torch.manual_seed(0)
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), attention)
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), attn_implementation)
     image_token_id = model.config.image_token_id
     prompts, responses = _groups(tiny_processor)
     unshared = batching.pack(prompts, responses, image_token_id)
@@ -57,7 +57,7 @@ def test_shared_prefix_equals_unshared(tiny_model_dir, tiny_processor, attention
     results = {}
     for name, (inputs, response_ids, mask) in (("unshared", unshared), ("shared", shared)):
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[name] = (logp.detach() * mask, ent.detach() * mask, {n: p.grad.clone() for n, p in
                                                                      model.named_parameters()})  # fmt: skip
@@ -73,7 +73,7 @@ def test_shared_prefix_attention_mask():
     """Guards against the layout itself: a prompt attends causally to itself, an answer to all of its prompt and
     causally to itself, never to a sibling; plain sequences are causal over themselves alone."""
     # part 1: prompt 0-2, answers 3-4 and 5; part 2: one sequence 6-8
-    layout = models.PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 6, 0, 3), (6, 9, 0, 0)], 9, torch.device("cpu"))
+    layout = attention.PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 6, 0, 3), (6, 9, 0, 0)], 9, torch.device("cpu"))
     masks = layout.prefix_masks()
     assert masks[0] is None and masks[3] is None  # a prompt and a plain sequence: causal over themselves
     mask = torch.zeros(9, 9, dtype=torch.int)

@@ -128,7 +128,7 @@ def test_checkpoint_of_another_architecture_stops_before_loading(tmp_path, tiny_
     (tmp_path / "empty").mkdir()
     code = main(["configs/tiny.yaml", f"actor.model_path={tmp_path / 'empty'}", "data.val_files="])
     assert code == 2 and "no config.json" in capsys.readouterr().err
-    from grpo.models import unsupported_model
+    from grpo.loading import unsupported_model
 
     assert unsupported_model(tiny_model_dir) is None
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from grpo import batching, models, tools, turns
+from grpo import attention, batching, loading, logprobs, tools, turns
 from tests.test_shared_prefix import _groups
 from tests.test_varlen import reference_varlen
 
@@ -45,15 +45,15 @@ def _interleaved_groups(processor):
     return prompts, list(responses), list(tool_turns)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "varlen_packed"])
-def test_interleaved_layouts_agree(tiny_model_dir, tiny_processor, attention, monkeypatch):
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "varlen_packed"])
+def test_interleaved_layouts_agree(tiny_model_dir, tiny_processor, attn_implementation, monkeypatch):
     """Guards against tool turns' images placed out of token order (the vision tower's features scattered into the
     wrong pads), mRoPE positions after an answer's image taken from another answer's row, a shared prompt's images
     counted once per row in the grids, tool tokens left in the loss, and a packed or shared backward that differs
     from the padded one (transformers' own positions): 1e-5 in fp32."""
-    monkeypatch.setattr(models, "varlen_kernel", reference_varlen)
+    monkeypatch.setattr(attention, "varlen_kernel", reference_varlen)
     torch.manual_seed(0)
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), attention)
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), attn_implementation)
     pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses, tool_turns = _interleaved_groups(tiny_processor)
     layouts = {
@@ -74,7 +74,7 @@ def test_interleaved_layouts_agree(tiny_model_dir, tiny_processor, attention, mo
     for name, (inputs, response_ids, mask) in layouts.items():
         torch.testing.assert_close(mask, padded_mask)
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[name] = (logp.detach() * mask, {n: p.grad.clone() for n, p in model.named_parameters()})
     logp_ref, grads_ref = results["padded"]
@@ -91,7 +91,7 @@ def test_tool_image_reaches_the_forward(tiny_model_dir, tiny_processor):
     against an interleaved answer scored differently from the same tokens with the conversation so far as prompt
     (turns.continuation, what the engines generate from)."""
     torch.manual_seed(0)
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
     pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompt = _groups(tiny_processor)[0][0]
     g = torch.Generator().manual_seed(5)
@@ -103,13 +103,13 @@ def test_tool_image_reaches_the_forward(tiny_model_dir, tiny_processor):
         ids = before + turn.input_ids.tolist() + after
         with torch.no_grad():
             batch = batching.pack([prompt], [ids], image_token_id, turns=[[turn]])
-            out.append(models.forward_logprobs(model, *batch[:2], 1.0)[0][0])
+            out.append(logprobs.forward_logprobs(model, *batch[:2], 1.0)[0][0])
         if seed == 0:  # the same tokens, everything before `after` as the prompt
             sample = type("S", (), {"response_ids": before + turn.input_ids.tolist(), "turns": [turn]})()
             context = turns.continuation(prompt, sample, 6, image_token_id)
             batch = batching.collate([context], [after], pad_id, image_token_id)
             with torch.no_grad():
-                alone = models.forward_logprobs(model, *batch[:2], 1.0)[0][0]
+                alone = logprobs.forward_logprobs(model, *batch[:2], 1.0)[0][0]
             torch.testing.assert_close(out[0][-len(after) :], alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[0][:5], out[1][:5], rtol=1e-6, atol=1e-6)  # before the tool image: the same
     assert (out[0][-len(after) :] - out[1][-len(after) :]).abs().max() > 1e-4  # after it: the image matters

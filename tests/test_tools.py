@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 import rollout
-from grpo import batching, models, tools, turns
+from grpo import batching, logprobs, tools, turns
 from tests.hf_engine_check import hf_engine, image_prompts, tiny_policy
 
 SPECS = ["tools.py:crop", "tools.py:calculate", "tests/tool_fixtures.py:sleepy", "tests/tool_fixtures.py:crash"]
@@ -149,7 +149,7 @@ def test_turn_loop_on_the_hf_engine(tiny_tools_model_dir):
                                               [s.response_ids for s in samples], image_token_id,
                                               turns=[s.turns for s in samples])  # fmt: skip
     with torch.no_grad():
-        logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
+        logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
     for row, s in enumerate(samples):
         end = s.turns[0].start + len(s.turns[0].input_ids)
         torch.testing.assert_close(logp[row, end : len(s.response_ids)], torch.tensor(s.logprobs[end:]),

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import batching, models
+from grpo import attention, batching, loading, logprobs
 from tests.test_packing import _mixed_batch
 
 
@@ -41,17 +41,17 @@ def recorded_kernel(monkeypatch):
         calls.append({"causal": causal, "n": len(cu_q) - 1, "heads": (q.shape[1], k.shape[1]), "keys": k.shape[0]})
         return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
-    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", kernel)
     return calls
 
 
 def test_auto_picks_varlen_on_cuda_only():
     """Guards against auto still asking for flash_attention_2 on CUDA (a flash-attn build that has no wheel for
     torch 2.14 / CUDA 13), or taking the CUDA kernel on CPU."""
-    assert models.resolve_attention("auto", torch.device("cuda", 0)) == "varlen_packed"
-    assert models.resolve_attention("auto", torch.device("cpu")) == "sdpa_packed"
-    assert models.resolve_attention("sdpa", torch.device("cuda", 0)) == "sdpa_packed"
-    assert models.resolve_attention("flash_attention_2", torch.device("cuda", 0)) == "flash_attention_2"
+    assert attention.resolve_attention("auto", torch.device("cuda", 0)) == "varlen_packed"
+    assert attention.resolve_attention("auto", torch.device("cpu")) == "sdpa_packed"
+    assert attention.resolve_attention("sdpa", torch.device("cuda", 0)) == "sdpa_packed"
+    assert attention.resolve_attention("flash_attention_2", torch.device("cuda", 0)) == "flash_attention_2"
 
 
 def test_varlen_packed_equals_padded_sdpa(tiny_model_dir, tiny_processor, recorded_kernel):
@@ -60,10 +60,10 @@ def test_varlen_packed_equals_padded_sdpa(tiny_model_dir, tiny_processor, record
     kernel call per layer (or attends causally), gradients that differ from the padded sdpa model's, and a strided
     input reaching the kernel (the vision tower's v, a view of its fused qkv: torch 2.14 may route it to cuDNN)."""
     torch.manual_seed(0)
-    ref = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
-    model = models.load_model(tiny_model_dir, torch.device("cpu"), "varlen_packed")
+    ref = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), "varlen_packed")
     assert model.config._attn_implementation == "varlen_packed"
-    assert model.model.visual.config._attn_implementation == models.VISION_VARLEN
+    assert model.model.visual.config._attn_implementation == attention.VISION_VARLEN
     pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _mixed_batch(tiny_processor, image_token_id)
     padded_inputs, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
@@ -71,7 +71,7 @@ def test_varlen_packed_equals_padded_sdpa(tiny_model_dir, tiny_processor, record
 
     want, got = {}, {}
     for out, m, inputs in ((want, ref, padded_inputs), (got, model, packed_inputs)):
-        logp, ent = models.forward_logprobs(m, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(m, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         out["logp"] = logp.detach() * mask
         out["grads"] = [
@@ -107,11 +107,11 @@ def test_varlen_packed_is_sdpa_off_the_packed_path(recorded_kernel):
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
     for args in ((q, k, v, mask), (q[:1, :, -1:], k[:1], v[:1], None)):
         want = sdpa_attention_forward(module, *args)[0]
-        torch.testing.assert_close(models.varlen_packed(module, *args)[0], want)
+        torch.testing.assert_close(attention.varlen_packed(module, *args)[0], want)
     assert recorded_kernel == []
     # a packed row with bounds: each sequence equals itself alone
-    layout = models.PackedLayout.sequences([2, 4], torch.device("cpu"))
-    got = models.varlen_packed(module, q[:1], k[:1], v[:1], None, packed_layout=layout)[0]
+    layout = attention.PackedLayout.sequences([2, 4], torch.device("cpu"))
+    got = attention.varlen_packed(module, q[:1], k[:1], v[:1], None, packed_layout=layout)[0]
     for s, e in ((0, 2), (2, 6)):
         alone = sdpa_attention_forward(module, q[:1, :, s:e], k[:1, :, s:e], v[:1, :, s:e], None)[0]
         torch.testing.assert_close(got[:, s:e], alone)
@@ -135,7 +135,7 @@ def _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, re
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_kernel_calls_each_torch_versions_signature(monkeypatch, stand_in, causal):
     """Guards against a keyword one supported torch lacks: torch 2.11's varlen_attn has no enable_gqa, so passing it
-    raised TypeError at the first vision-tower call of the first GPU run. models.varlen_kernel (its own name and
+    raised TypeError at the first vision-tower call of the first GPU run. attention.varlen_kernel (its own name and
     arguments are an interface) must call each version's exact signature and get the right grouped-query result."""
     import torch.nn.attention.varlen
 
@@ -143,7 +143,7 @@ def test_varlen_kernel_calls_each_torch_versions_signature(monkeypatch, stand_in
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(7, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
     cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
-    got = models.varlen_kernel(q, k, v, cu_q, cu_k, 4, 5, causal, 0.3)
+    got = attention.varlen_kernel(q, k, v, cu_q, cu_k, 4, 5, causal, 0.3)
     # the grouped heads by hand: query heads 0-1 read key/value head 0, heads 2-3 head 1
     want = reference_varlen(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu_q, cu_k, 4, 5, causal, 0.3)
     torch.testing.assert_close(got, want)
@@ -160,16 +160,16 @@ def test_compute_device_is_the_meshs_not_the_offloaded_shards(monkeypatch, tiny_
     offloaded = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cuda"))
     model = SimpleNamespace(parameters=lambda: iter([offloaded]))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert models.compute_device(model) == torch.device("cuda", 1)
+    assert logprobs.compute_device(model) == torch.device("cuda", 1)
     on_cpu_mesh = SimpleNamespace(device=torch.device("cpu"), device_mesh=SimpleNamespace(device_type="cpu"))
-    assert models.compute_device(SimpleNamespace(parameters=lambda: iter([on_cpu_mesh]))) == torch.device("cpu")
-    assert models.compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")  # not sharded: where it lives
+    assert logprobs.compute_device(SimpleNamespace(parameters=lambda: iter([on_cpu_mesh]))) == torch.device("cpu")
+    assert logprobs.compute_device(torch.nn.Linear(2, 2)) == torch.device("cpu")  # not sharded: where it lives
 
     asked = []
-    monkeypatch.setattr(models, "compute_device", lambda m: asked.append(m) or torch.device("cpu"))
-    tiny = models.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    monkeypatch.setattr(logprobs, "compute_device", lambda m: asked.append(m) or torch.device("cpu"))
+    tiny = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
     prompts, responses = _mixed_batch(tiny_processor, tiny.config.image_token_id)
     packed, response_ids, _ = batching.pack(prompts, responses, tiny.config.image_token_id)
     with torch.no_grad():
-        models.forward_logprobs(tiny, packed, response_ids, 1.0)
+        logprobs.forward_logprobs(tiny, packed, response_ids, 1.0)
     assert asked and all(m is tiny for m in asked)  # forward_logprobs and packed_positions

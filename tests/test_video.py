@@ -10,7 +10,7 @@ import torch
 
 import rollout
 from data import PromptDataset
-from grpo import batching, models, video
+from grpo import attention, batching, loading, logprobs, video
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 BUDGET = dict(video_fps=2.0, max_frames=8, video_min_pixels=3136, video_max_pixels=12544)
@@ -171,7 +171,7 @@ def test_packed_and_shared_equal_padded_with_videos(tiny_family_dir, family):
     path = tiny_family_dir(family)
     processor = _processor(tiny_family_dir, family)
     torch.manual_seed(0)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _video_batch(processor)
     order = [0, 0, 1, 2, 1, 3, 4, 4]  # groups of answers that share a prompt, and one prompt in two parts
@@ -186,7 +186,7 @@ def test_packed_and_shared_equal_padded_with_videos(tiny_family_dir, family):
     results = {}
     for name, (inputs, response_ids, mask) in layouts.items():
         model.zero_grad(set_to_none=True)
-        logp, ent = models.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
         ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
         results[name] = (logp.detach() * mask, _grads(model))
     logp_ref, grads_ref = results["padded"]
@@ -202,7 +202,7 @@ def test_packed_and_shared_equal_padded_with_videos(tiny_family_dir, family):
     inputs, response_ids, mask = layouts["packed"]
     inputs = {**inputs, "pixel_values_videos": inputs["pixel_values_videos"].flip(0)}
     with torch.no_grad():
-        moved = models.forward_logprobs(model, inputs, response_ids, 0.9)[0] * mask
+        moved = logprobs.forward_logprobs(model, inputs, response_ids, 0.9)[0] * mask
     assert (moved - logp_ref)[:2].abs().max() > 1e-4
 
 
@@ -214,7 +214,7 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
     dummy pass -- with the log-probs of the model without the hook."""
     path = tiny_family_dir(family)
     processor = _processor(tiny_family_dir, family)
-    model = models.load_model(path, torch.device("cpu"), "sdpa")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _video_batch(processor)
     batches = {"video": [0], "image+video": [0, 1, 2], "text": [3]}
@@ -222,8 +222,8 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
         plain = {}
         for name, rows in batches.items():
             batch = batching.pack([prompts[i] for i in rows], [responses[i] for i in rows], image_token_id)
-            plain[name] = models.forward_logprobs(model, *batch[:2], 1.0)[0]
-    models.add_vision_dummy(model)
+            plain[name] = logprobs.forward_logprobs(model, *batch[:2], 1.0)[0]
+    logprobs.add_vision_dummy(model)
     calls = []
     model.model.visual.register_forward_hook(lambda *_: calls.append(1))
     for name, rows in batches.items():
@@ -236,7 +236,7 @@ def test_one_tower_pass_per_forward_with_videos(tiny_family_dir, family):
                 else batching.collate(p, r, pad_id, image_token_id)
             )
             with torch.no_grad():
-                logp = models.forward_logprobs(model, *batch[:2], 1.0)[0]
+                logp = logprobs.forward_logprobs(model, *batch[:2], 1.0)[0]
             if layout == "packed":
                 torch.testing.assert_close(logp, plain[name], rtol=1e-5, atol=1e-5)
         assert len(calls) == 2, (name, len(calls))  # one per forward
@@ -260,7 +260,7 @@ def test_hf_engine_samples_and_scores_video_prompts(tiny_family_dir, family):
     batch, response_ids, mask = batching.collate(prompts, [s.response_ids for s in samples], engine.pad_id,
                                                 engine.image_token_id)  # fmt: skip
     with torch.no_grad():
-        logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0] * mask
+        logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0] * mask
     from transformers import GenerationConfig
 
     for row, (p, s) in enumerate(zip(prompts, samples)):
@@ -273,7 +273,7 @@ def test_hf_engine_samples_and_scores_video_prompts(tiny_family_dir, family):
         end = next((t + 1 for t, tok in enumerate(plain) if tok in engine.eos_ids), len(plain))
         assert s.response_ids == plain[:end], row
     # with the trainer's hook, a generate call with images and videos runs the tower once, as does its scoring
-    models.add_vision_dummy(model)
+    logprobs.add_vision_dummy(model)
     calls = []
     model.model.visual.register_forward_hook(lambda *_: calls.append(1))
     again = engine.generate(prompts[1:2], 1, params, seed=3)
@@ -286,7 +286,7 @@ def test_text_after_a_video_continues_after_its_last_position(tiny_family_dir):
     largest position + 1): the log-probs would differ from vLLM's by 0.06 here. A video of 3 frame pairs at 1 s per
     pair spans temporal positions start .. start + 4, past its 2 x 4 spatial ones."""
     processor = _processor(tiny_family_dir, "qwen2_5_vl")
-    model = models.load_model(tiny_family_dir("qwen2_5_vl"), torch.device("cpu"), "sdpa")
+    model = loading.load_model(tiny_family_dir("qwen2_5_vl"), torch.device("cpu"), "sdpa")
     video.set_video_range(processor, BUDGET["video_min_pixels"], BUDGET["video_max_pixels"], BUDGET["max_frames"])
     p = _prompt(processor, "Count.", videos=[_video(processor, _frames(6, (112, 56)))])
     assert p.video_grid_thw[0].tolist() == [3, 4, 8] and p.second_per_grid_ts.tolist() == [1.0]
@@ -332,19 +332,19 @@ def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
         calls.append((causal, len(cu_q) - 1))
         return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 
-    monkeypatch.setattr(models, "varlen_kernel", kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", kernel)
     processor = _processor(tiny_family_dir, family)
     torch.manual_seed(0)
-    ref = models.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
-    model = models.load_model(tiny_family_dir(family), torch.device("cpu"), "varlen_packed")
-    models.add_vision_dummy(model)  # as apply_fsdp does: one tower pass for the images and videos
+    ref = loading.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+    model = loading.load_model(tiny_family_dir(family), torch.device("cpu"), "varlen_packed")
+    logprobs.add_vision_dummy(model)  # as apply_fsdp does: one tower pass for the images and videos
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses = _video_batch(processor)
     padded, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
     packed = batching.pack(prompts, responses, image_token_id)[0]
     results = []
     for m, inputs in ((ref, padded), (model, packed)):
-        logp = models.forward_logprobs(m, inputs, response_ids, 1.0)[0]
+        logp = logprobs.forward_logprobs(m, inputs, response_ids, 1.0)[0]
         (logp * mask).sum().backward()
         results.append((logp.detach() * mask, m.model.visual.blocks[0].attn.qkv.weight.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)

@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
-from grpo import batching, lora, models, moe, routing, runtime, video  # noqa: E402
+from grpo import batching, families, loading, logprobs, lora, moe, routing, runtime, video  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES = 56 * 56, 112 * 112, 6
@@ -75,7 +75,7 @@ def max_logprob_diff(model, prompts, samples, ids, temperature, over=None):
         [prompts[s.prompt_index] for s in samples], [s.response_ids for s in samples], *ids
     )
     with torch.no_grad():
-        logp, _ = models.forward_logprobs(model, batch_inputs, response_ids, temperature)  # (B, T)
+        logp, _ = logprobs.forward_logprobs(model, batch_inputs, response_ids, temperature)  # (B, T)
     model.reshard()
     engine_logp = torch.zeros_like(logp)
     for row, s in enumerate(samples):
@@ -173,12 +173,12 @@ def check_expert_adapters(cfg, engine, model_dir, device, prompts, ids, params, 
     """Sync a trainer with adapters on the routed experts too (only those perturbed) into an engine that holds the
     LoRA trainer's weights, as a resync after an update, and record what it sent and the log-prob gaps after it."""
     cfg.actor.lora_target_modules = [*cfg.actor.lora_target_modules, lora.EXPERTS]
-    model = models.load_model(model_dir, device, "sdpa")
+    model = loading.load_model(model_dir, device, "sdpa")
     lora.add_lora(model, lora.lora_config(cfg.actor))
     lora.init_lora(model)
     perturb_adapters(model, 789, experts_only=True)
-    models.apply_fsdp(model, device)
-    models.root_forward(model, ids[0])
+    loading.apply_fsdp(model, device)
+    loading.root_forward(model, ids[0])
     model.eval()
     text, image = prompts
     before = engine.generate(image, 2, params, seed=seed)
@@ -222,7 +222,7 @@ def main():
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
 
-    model = models.load_model(model_dir, device, "sdpa")
+    model = loading.load_model(model_dir, device, "sdpa")
     if with_lora:  # the base stays the checkpoint's: only the adapters make the trainer differ from it
         lora.add_lora(model, lora.lora_config(cfg.actor))
         lora.init_lora(model)
@@ -232,9 +232,9 @@ def main():
             g = torch.Generator().manual_seed(123)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    models.apply_fsdp(model, device)
+    loading.apply_fsdp(model, device)
     pad_id = processor.tokenizer.pad_token_id
-    models.root_forward(model, pad_id)
+    loading.root_forward(model, pad_id)
     model.eval()
     ids = (pad_id, model.config.image_token_id)
     params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)
@@ -246,7 +246,7 @@ def main():
     samples = engine.generate(image, 2, params, seed=rank)
     result["diff_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0)
     result["over_before_sync"] = max_logprob_diff(model, image, samples, ids, 1.0, over=0.05)
-    moe_run = models.family(model).moe and not with_lora
+    moe_run = families.family(model).moe and not with_lora
     if moe_run:  # one answer a prompt: the engine reads each sequence in a request of its own
         result["routing_before_sync"] = routing.agreement(engine, model, image, samples[::2], pad_id)
 
@@ -309,7 +309,7 @@ def main():
     bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
     result["vision_tokens_unbiased"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
     engine.logit_bias = bias
-    if with_lora and models.family(model).moe:
+    if with_lora and families.family(model).moe:
         check_expert_adapters(cfg, engine, model_dir, device, (text, image), ids, params, seed, result)
     engine.sleep()
 

@@ -18,7 +18,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
-from grpo import batching, models, runtime, tools, turns  # noqa: E402
+from grpo import batching, loading, logprobs, runtime, tools, turns  # noqa: E402
 from tests.hf_engine_check import image_prompts  # noqa: E402
 from tests.test_tools import SPECS, Scripted, scripted_calls  # noqa: E402
 
@@ -39,7 +39,7 @@ def main():
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
     engine = rollout.make_engine(cfg, processor)
-    model = models.load_model(model_dir, device, "sdpa").eval()  # the checkpoint the engine loaded: nothing to sync
+    model = loading.load_model(model_dir, device, "sdpa").eval()  # the checkpoint the engine loaded: nothing to sync
     engine.wake()
     result = {}
     # a stop token ends an answer and stays in it, as end-of-sequence does (the loop finds calls by it)
@@ -62,7 +62,7 @@ def main():
                                               [s.response_ids for s in samples], model.config.image_token_id,
                                               turns=[s.turns for s in samples])  # fmt: skip
     with torch.no_grad():
-        logp = models.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
+        logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0]  # (B, T)
     diffs = []
     for row, s in enumerate(samples):
         end = s.turns[0].start + len(s.turns[0].input_ids)

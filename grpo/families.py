@@ -1,0 +1,107 @@
+"""What differs between the model families this trainer supports (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's
+mixtures of experts): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward, the
+weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
+these families, whole, is loading.unsupported_model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tower_and_layers(model):
+    """The FSDP2 units below the root: the vision tower as one unit (Qwen3-VL's deepstack mergers and every patch
+    merger live inside it), then each decoder layer (Qwen3.5's linear- and full-attention layers alike)."""
+    return [model.model.visual, *model.model.language_model.layers]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the model families this trainer supports; everything else (loading, FSDP2, the packed
+    forward, the weight sync) is one code path."""
+
+    fsdp_units: Callable  # model -> the modules sharded as their own FSDP2 units, before the root
+    # The side of one merged image token, vision patch x merge, to which data.py fits every image: 28 px for
+    # Qwen2.5-VL (14 x 2), 32 px for Qwen3-VL and Qwen3.5 (16 x 2). data.py takes it from the checkpoint's processor,
+    # which resizes by that factor; processor_problem stops (at start) a checkpoint whose processor says otherwise.
+    image_side: int
+    # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
+    # next: their packed forward restarts it per sequence (linear_attention.py).
+    linear_attention: bool = False
+    # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see rollout.VLLMEngine):
+    # vLLM caches Qwen3.5's recurrent state for prefix caching only with chunked prefill ("Chunked prefill is
+    # required for mamba cache mode 'align'"), so there its prefix caching is off.
+    vllm_cpu_kwargs: dict = field(default_factory=dict)
+    # The engine's dtype on CPU, where the trainer computes in fp32. vLLM 0.32's CPU gated-delta-net kernel asserts
+    # bf16 ("CPU GDN attention requires BF16"), so a Qwen3.5 engine on CPU samples in bf16 (on GPU all are bf16).
+    vllm_cpu_dtype: torch.dtype = torch.float32
+    # Sampling one would put an image placeholder into a response: "Image features and image tokens do not match".
+    vision_tokens: tuple = VISION_TOKENS
+    # Routed experts in every decoder layer (moe.py): 3-D expert parameters, stored in the checkpoint in a layout of
+    # their own, computed by transformers' experts_implementation.
+    moe: bool = False
+
+
+# model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
+# in-memory weight names transformers gives the dense three are the ones vLLM's loaders take (their
+# hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs a name
+# mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every layer: the
+# same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision tokens.
+# (Qwen3.5's CPU engine shares no prefix, and vLLM sizes a hybrid model's blocks to its linear-attention state's:
+# it keeps vLLM's own block size, not rollout.py's 32)
+_QWEN3_5 = dict(
+    linear_attention=True,
+    vllm_cpu_kwargs={"enable_prefix_caching": False, "block_size": None},
+    vllm_cpu_dtype=torch.bfloat16,
+)
+FAMILIES = {
+    "qwen2_5_vl": Family(tower_and_layers, 28),
+    "qwen3_vl": Family(tower_and_layers, 32),
+    "qwen3_5": Family(tower_and_layers, 32, **_QWEN3_5),
+    "qwen3_vl_moe": Family(tower_and_layers, 32, moe=True),
+    "qwen3_5_moe": Family(tower_and_layers, 32, **_QWEN3_5, moe=True),
+}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def unsupported_type(model_type) -> str | None:
+    """Why a checkpoint of this model_type cannot be trained here, or None."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return None
+    return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+
+
+def family(model) -> Family:
+    """The Family of a loaded model (by its config's model_type)."""
+    return FAMILIES[model.config.model_type]
+
+
+def family_of(path: str) -> Family:
+    """The Family of the checkpoint at `path` (its config.json only), for those that need it before the model loads:
+    the rollout engines. An unsupported model_type stops here too."""
+    from transformers import AutoConfig
+
+    model_type = AutoConfig.from_pretrained(path).model_type
+    problem = unsupported_type(model_type)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+    return FAMILIES[model_type]
+
+
+def processor_problem(path: str, want: int) -> str | None:
+    """None if the checkpoint's processor fits images to its family's side (`want`, Family.image_side), else why not: a
+    processor of another family beside the weights (a Qwen2.5-VL preprocessor_config.json with Qwen3-VL weights)
+    would make image tokens that the vision tower cannot produce."""
+    from transformers import AutoImageProcessor
+
+    from data import image_side
+
+    side = image_side(AutoImageProcessor.from_pretrained(path))
+    if side != want:
+        return f"its image processor fits images to {side} px (patch x merge), its model family's tower to {want}"
+    return None

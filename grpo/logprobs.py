@@ -1,0 +1,356 @@
+"""The forward that gives the response tokens' log-probs (and entropy): forward_logprobs, with the LM head run in chunks
+(chunked_logprobs) so the full (B, T, vocab) logits never exist, and the positions it runs with (packed mRoPE
+positions, the text after an image or video). Also what every forward that starts sequences needs of the vision
+tower, whoever calls it (the log-prob forward, the training forward, a generate prefill): exactly one tower pass on
+every rank (add_vision_dummy, one_vision_pass), or FSDP2's collectives fall out of step.
+
+A micro-batch comes from batching.collate ([left-padded prompt | right-padded response] per row) or, with
+actor.padding_free, from batching.pack (all sequences back to back in one row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from grpo.attention import PackedLayout
+from grpo.lora import LORA_ADAPTER
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Log-probs of sampled tokens from logits or, chunk by chunk, from the last hidden states and the LM head weight.
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32."""
+    logits = logits.float() / temperature  # (B, T, V)
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logits = logits.float() / temperature  # (B, T, V)
+    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
+
+
+def _head_chunk(hidden, weight, labels, temperature, with_entropy):
+    logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
+    logp = token_logprobs(logits, labels, temperature)  # (C,)
+    return logp, entropy_from_logits(logits, temperature) if with_entropy else None  # (C,)
+
+
+def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True):
+    """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
+    equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
+    head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
+    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V)."""
+    h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    logps, entropies = [], []
+    for i in range(0, h.shape[0], chunk_size):
+        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy)
+        if grad:
+            logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
+        else:
+            logp, entropy = _head_chunk(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    logp = torch.cat(logps).view_as(labels)  # (B, T)
+    return logp, torch.cat(entropies).view_as(labels) if with_entropy else None  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The forward that gives the response tokens' log-probs, and the positions it runs with.
+
+
+def compute_device(model) -> torch.device:
+    """The device `model`'s forwards run on. For an FSDP2 model that is its mesh's device, not where its parameters
+    live: with CPUOffloadPolicy (actor.ref_offload) the shards sit in host memory and FSDP2 moves them, and a
+    forward's tensor arguments, to the GPU; tensors a forward builds itself (labels, sequence bounds, index tensors)
+    must be created there too."""
+    p = next(model.parameters())
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or mesh.device_type == "cpu":
+        return p.device
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def text_after_vision_continues(model):
+    """Make the model's get_rope_index start the text after an image or video at 1 + the largest position so far, as
+    Qwen's reference code and vLLM do (st_idx = max + 1). transformers 5.17-5.19 start it at the vision block's first
+    position + its larger spatial side instead, which is the same for an image but not for a Qwen2.5-VL video whose
+    temporal positions (frame pairs x tokens_per_second x seconds per pair) run past its spatial ones: the text after
+    it would overlap the video's positions, and the trainer's log-probs would differ from vLLM's (measured: 0.06 on a
+    tiny model). Qwen3-VL and Qwen3.5 give every frame pair its own block at one temporal position: no change there.
+    Wrapped on the instance, so the padded forward, packed_positions and generate all get it."""
+    inner = model.model.get_rope_index
+
+    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
+        positions, _ = inner(input_ids, mm_token_type_ids, *args, attention_mask=attention_mask, **kwargs)  # (3, B, L)
+        deltas = []
+        for b in range(input_ids.shape[0]):
+            keep = attention_mask[b].bool() if attention_mask is not None else torch.ones_like(input_ids[b]).bool()
+            pos, types = positions[:, b, keep], mm_token_type_ids[b, keep]  # (3, n), (n,)
+            # the first token after each vision block, found at once (this runs in every forward that starts
+            # sequences, and a Python loop over every token of every row would be its cost)
+            after = ((types[1:] != types[:-1]) & (types[:-1] != 0)).nonzero().flatten() + 1
+            for i in after.tolist():
+                pos[:, i:] += pos[:, :i].max() + 1 - pos[0, i]
+            positions[:, b, keep] = pos
+            deltas.append(pos.max() + 1 - len(types) if len(types) else 0)
+        return positions, torch.tensor(deltas, device=input_ids.device).unsqueeze(1)
+
+    model.model.get_rope_index = get_rope_index
+
+
+def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, response_lens, host_types=None,
+                     video_grid_thw=None, second_per_grid_ts=None):  # fmt: skip
+    """What forward_logprobs needs of a packed row (batching.pack), worked out once per micro-batch on the host.
+    `host_types` (L,) says which tokens are image (1) and video (2) tokens (batching.pack's mm_token_type_ids; without
+    it, image tokens are found by their id); the videos' grids and, for Qwen2.5-VL, their seconds per temporal patch
+    go to get_rope_index with the images'.
+
+    The row holds parts [prompt | answer 1 | ... | answer k], k = group_sizes[g] (k = 1: a plain sequence). Returns
+    - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width). Every answer gets the
+      positions it would have right after its prompt, alone: each part's prompt with its longest answer goes
+      through the model's own get_rope_index, and an answer's tokens take the columns after the prompt (text the
+      model wrote -- vision tokens are never sampled -- whose positions run on from the prompt's). A part whose
+      answers hold images (tool turns, turns.py) has one get_rope_index row per answer instead, as an image moves
+      the positions of what follows it;
+    - keep (R,): the row positions whose hidden states predict the R answer tokens (an answer's first token is
+      predicted by its prompt's last position, shared by the group), and targets (R,): the answer tokens' positions;
+    - the PackedLayout of the row's segments."""
+    if host_types is None:
+        host_types = (host_ids == model.config.image_token_id).long()
+    # images that start before each position (an image is one run of image tokens): which grids a span's images own
+    image = (host_types == 1).long()
+    before = torch.cat([image.new_zeros(1), (image - torch.cat([image.new_zeros(1), image[:-1]])).clamp(min=0)])
+    before = before.cumsum(0).tolist()  # (L + 1,)
+    parts, part_types, keep, targets, segments, column, part, grid_rows = [], [], [], [], [], [], [], []
+    offset, r = 0, 0
+    for p_len, k in zip(prompt_lens.tolist(), group_sizes.tolist()):
+        lens = response_lens[r : r + k].tolist()
+        prompt_end = a = offset + p_len
+        starts = [prompt_end + sum(lens[:j]) for j in range(k)]
+        per_answer = any(host_types[s : s + n].any() for s, n in zip(starts, lens))  # tool turns' images
+        chosen = range(k) if per_answer else [max(range(k), key=lambda j: lens[j])]
+        if per_answer and k > 1 and host_types[offset:prompt_end].eq(2).any():
+            raise NotImplementedError("a shared video prompt whose answers hold tool images")
+        first_row = len(parts)
+        for j in chosen:
+            for rows, out in ((host_ids, parts), (host_types, part_types)):
+                out.append(torch.cat([rows[offset:prompt_end], rows[starts[j] : starts[j] + lens[j]]]))
+            grid_rows.append([*range(before[offset], before[prompt_end]),
+                              *range(before[starts[j]], before[starts[j] + lens[j]])])  # fmt: skip
+        segments.append((offset, prompt_end + lens[0] if k == 1 else prompt_end, 0, 0))
+        column += range(p_len)
+        part += [first_row] * p_len
+        for j, n in enumerate(lens):
+            keep += [prompt_end - 1, *range(a, a + n - 1)]
+            targets += range(a, a + n)
+            column += range(p_len, p_len + n)
+            part += [first_row + j if per_answer else first_row] * n
+            if k > 1:
+                segments.append((a, a + n, offset, prompt_end))
+            a += n
+        offset, r = a, r + k
+    if image_grid_thw is not None:  # each row's images, a prompt's again in each row it starts
+        image_grid_thw = image_grid_thw[[i for row in grid_rows for i in row]]
+    # the rows (a part's prompt with its longest answer, or with each answer) as a padded batch for get_rope_index
+    width = max(len(x) for x in parts)
+    ids = torch.zeros(len(parts), width, dtype=host_ids.dtype)  # (G, W)
+    types = torch.zeros(len(parts), width, dtype=torch.long)  # (G, W): 0 text, 1 image, 2 video
+    valid = torch.arange(width)[None] < torch.tensor([len(x) for x in parts])[:, None]  # (G, W)
+    ids[valid], types[valid] = torch.cat(parts), torch.cat(part_types).long()
+    device = compute_device(model)
+    grids = {"image_grid_thw": image_grid_thw, "video_grid_thw": video_grid_thw}
+    if second_per_grid_ts is not None:  # Qwen2.5-VL: the video's temporal positions are spaced by its frame rate
+        grids["second_per_grid_ts"] = second_per_grid_ts
+    grids = {k: v.to(device) for k, v in grids.items() if v is not None}
+    valid = valid.to(device).long()
+    mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), attention_mask=valid, **grids)  # (3, G, W)
+    column, part = torch.tensor(column, device=device), torch.tensor(part, device=device)  # (L,), (L,)
+    positions = torch.cat([column[None], mrope[:, part, column]])[:, None]  # (4, 1, L)
+    layout = PackedLayout(segments, offset, device)
+    return positions, torch.tensor(keep, device=device), torch.tensor(targets, device=device), layout
+
+
+def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
+    """The model's forward with lm_head swapped for chunked_logprobs against `labels` (see forward_logprobs)."""
+    head = model.lm_head
+
+    def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
+        hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
+        logp, entropy = chunked_logprobs(hidden, _head_weight(head), labels, temperature, with_entropy=with_entropy)
+        if entropy is not None and not entropy_grad:
+            entropy = entropy.detach()
+        return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
+
+    head.forward = head_forward
+    try:
+        return model(**inputs, **extra, use_cache=False, logits_to_keep=logits_to_keep).logits  # (B, T, 1 or 2)
+    finally:
+        del head.forward  # back to the class's nn.Linear.forward
+
+
+def _head_weight(head):
+    """The LM head's weight, plus its LoRA update when it has an adapter that is on (lm_head in
+    actor.lora_target_modules): chunked_logprobs takes the weight, never the module's forward. (Inside the root's
+    forward, so FSDP2 has gathered the factors; that adapter gets no dropout.)"""
+    if LORA_ADAPTER not in getattr(head, "lora_A", {}) or head.disable_adapters:
+        return head.weight
+    a, b = head.lora_A[LORA_ADAPTER].weight, head.lora_B[LORA_ADAPTER].weight
+    return head.weight + (b @ a) * head.scaling[LORA_ADAPTER]  # (V, H)
+
+
+def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
+    """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked.
+
+    The full logits would be (B, T, 151936) fp32, 0.6 MB a token, so the LM head runs chunked (chunked_logprobs).
+    It must still run inside the root module's forward: under FSDP2 the root owns lm_head, and its weight is
+    all-gathered only between the root's pre- and post-forward hooks. So for this one call we swap lm_head's forward
+    for one that takes the hidden states that predict response tokens and returns the stack of log-prob and entropy
+    as `.logits`; being the root's output, it carries FSDP2's pre-backward hook as the logits did.
+
+    A packed micro-batch (batching.pack) goes through the model as one row with per-sequence positions and no mask
+    (varlen_packed or sdpa_packed keep attention inside each sequence, and a shared prompt visible to each of its
+    answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
+    device = compute_device(model)
+    inputs = {k: v.to(device) for k, v in batch_inputs.items()}
+    labels = response_ids.to(device)  # (B, T)
+    if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
+        # (the state at the last position predicts nothing we sampled; the head drops it)
+        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
+    else:
+        for key in ("prompt_lens", "group_sizes", "response_lens"):
+            inputs.pop(key)
+        response_lens = batch_inputs["response_lens"]  # (B,), on the host
+        types = batch_inputs.get("mm_token_type_ids")
+        position_ids, keep, targets, layout = packed_positions(
+            model, batch_inputs["input_ids"][0], batch_inputs.get("image_grid_thw"), batch_inputs["prompt_lens"],
+            batch_inputs["group_sizes"], response_lens, None if types is None else types[0],
+            batch_inputs.get("video_grid_thw"), batch_inputs.get("second_per_grid_ts"),
+        )  # fmt: skip
+        flat_labels = inputs["input_ids"][:, targets]  # (1, R), R = all response tokens
+        # no mask: for one unpadded row attention.py's attentions build none (_register_attention), which leaves the
+        # row to the PackedLayout; flash-attention builds none either (it finds the sequences in the text positions)
+        extra = {"position_ids": position_ids, "attention_mask": None, "packed_layout": layout}
+        flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
+        flat = flat[0]  # (R, 1 or 2)
+        valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
+        out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
+    logp = out[..., 0]  # (B, T)
+    entropy = None
+    if with_entropy:
+        entropy = out[..., 1] if entropy_grad and torch.is_grad_enabled() else out[..., 1].detach()  # (B, T)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The vision tower: one pass in every forward that starts sequences, on every rank.
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """Every tensor in a vision tower's output (Qwen3-VL's holds deepstack feature lists beside the embeds)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else []
+    return [t for v in values for t in _tensors(v)]
+
+
+def vision_dummy(model):
+    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy."""
+    tower = model.model.visual
+    side = tower.config.spatial_merge_size  # a grid of merge x merge patches: the smallest the merger accepts
+    patch_dim = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2
+    device = compute_device(model)
+    pixels = torch.zeros(side * side, patch_dim, device=device)  # (patches, C * T * P * P)
+    return tower(pixels, grid_thw=torch.tensor([[1, side, side]], device=device))
+
+
+def generate_encodes_images_first(model) -> bool:
+    """Whether HF `generate` runs the vision tower before its prefill, outside the model's forward (transformers 5.19
+    does for models whose forward takes `mm_encoder_outputs`), rather than inside the prefill's forward."""
+    return "mm_encoder_outputs" in inspect.signature(model.forward).parameters
+
+
+def encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw) -> dict:
+    """{"image": ..., "video": ...}: what the model's get_image_features and get_video_features return for a forward's
+    images and videos, from ONE tower pass over both. The model's own forward runs the tower once for the images and
+    once more for the videos: two FSDP2 all-gathers on a rank whose micro-batch has both, one on a rank with only
+    either, and the collectives fall out of step (see add_vision_dummy). The tower treats every image and video as
+    its own sequence (its attention is bounded by each one's grid), so one pass over all of them gives what two
+    passes would."""
+    inner = model.model
+    grids = torch.cat([image_grid_thw, video_grid_thw])  # (images + videos, 3)
+    out = type(inner).get_image_features(inner, torch.cat([pixel_values, pixel_values_videos]), grids, return_dict=True)
+    n, tokens = len(image_grid_thw), int(image_grid_thw.prod(-1).sum()) // inner.visual.spatial_merge_size**2
+    split = {}
+    for name, items, rows in (("image", slice(0, n), slice(0, tokens)), ("video", slice(n, None), slice(tokens, None))):
+        part = type(out)(**out)
+        part.pooler_output = out.pooler_output[items]  # a tuple of per-item embeddings
+        if getattr(out, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, split per item (5.19) or not
+            part.deepstack_features = [f[rows] if torch.is_tensor(f) else f[items] for f in out.deepstack_features]
+        split[name] = part
+    return split
+
+
+@contextlib.contextmanager
+def one_vision_pass(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw):
+    """Within it, the model's get_image_features and get_video_features return the two halves of one tower pass over
+    the images and videos (encode_vision) instead of running the tower each. Overriding the two methods on the
+    instance leaves the model's forward and generate on their own paths, which differ between transformers 5.17 and
+    5.19 (only 5.19 takes precomputed `mm_encoder_outputs`)."""
+    inner = model.model
+    encoded = encode_vision(model, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+    # named as the methods' own arguments: 5.19's generate looks for them to decide what to encode before its prefill
+    inner.get_image_features = lambda pixel_values=None, image_grid_thw=None, **kwargs: encoded["image"]
+    inner.get_video_features = lambda pixel_values_videos=None, video_grid_thw=None, **kwargs: encoded["video"]
+    try:
+        yield
+    finally:
+        del inner.get_image_features, inner.get_video_features
+
+
+def add_vision_dummy(model):
+    """Make every forward that starts sequences (a training or log-prob forward, a prefill) run the vision tower
+    exactly once, whatever it holds: images, videos, both or neither. The tower is its own FSDP2 unit: a forward with
+    images all-gathers its shards (and its backward reduce-scatters its gradients), one without never does, so a rank
+    whose micro-batch, log-prob chunk or generate call holds only text while another's holds images falls out of step
+    in the collectives, and the job hangs (an abort, "collective mismatch", on gloo). EasyR1 #468, fixed the same way
+    (#518/#530). A forward with images and videos gets both encoded in one tower pass (encode_vision); one with
+    videos only runs the tower on them, as one with images only does.
+
+    Without images or videos the tower runs on one minimal blank image (vision_dummy) and its output, times zero, is
+    added to the decoder's output: log-probs are unchanged and autograd reaches the tower with zero gradients, so its
+    backward (the gradient reduce-scatter) runs on every rank too, and the data-parallel mean is the one without the
+    dummy.
+    Decided locally, from the forward's own inputs, rather than by an all-reduce: no collective is added, and no
+    dummy runs at all when every rank has images. The price is one small tower pass (and its all-gather) per
+    text-only forward. Decode steps never run the tower (generate drops the pixels after the prefill), and a prefill
+    whose images generate encoded beforehand (`mm_encoder_outputs` given, even empty) is left to the caller:
+    rollout.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
+    pending, passes = [], []
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        starts = cache is None or cache.get_seq_length() == 0
+        images, videos = kwargs.get("pixel_values"), kwargs.get("pixel_values_videos")
+        if images is not None and videos is not None and "get_image_features" not in vars(model.model):
+            one_pass = one_vision_pass(model, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
+            one_pass.__enter__()
+            passes.append(one_pass)
+        if images is None and videos is None and kwargs.get("mm_encoder_outputs") is None and starts:
+            pending.append(vision_dummy(model))
+
+    def after(module, args, kwargs, out):
+        if passes:
+            passes.pop().__exit__(None, None, None)
+        if pending:
+            hidden = out.last_hidden_state
+            zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0
+            out.last_hidden_state = hidden + zero.to(hidden.device, hidden.dtype)
+        return out
+
+    model.model.register_forward_pre_hook(before, with_kwargs=True)
+    model.model.register_forward_hook(after, with_kwargs=True)
