@@ -23,10 +23,10 @@ Launch:
     python train_grpo.py configs/geo3k.yaml --dry-run         # the memory plan, the model, data, reward: no GPU needed
 
 This file holds the config, the GRPO math as pure functions, the phases of a step and main(). The machinery sits
-beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
+beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (the rewards),
 data.py (prompts and images), models.py (loading, FSDP2, packed attention, the log-prob forward), batching.py
 (micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
-backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
+backends), distributed.py, startup.py (setup, signals, the banner), grading.py, memory_plan.py (the per-GPU plan),
 mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers),
 partial.py (partial rollouts: answers carried from step to step).
 """
@@ -50,8 +50,20 @@ from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches,
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
+from grpo.distributed import (
+    StopSignal,
+    max_over_ranks,
+    mean_over_ranks,
+    phase,
+    print0,
+    report_stop,
+    run_rank,
+    setup_distributed,
+    shut_down,
+)
 from grpo.logger import MetricsLogger, save_config
 from grpo.lora import adapters_disabled
+from grpo.machine import release_host_memory
 from grpo.memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
 from grpo.mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
 from grpo.models import (
@@ -64,20 +76,7 @@ from grpo.models import (
 from grpo.offload import TrainerOffload
 from grpo.optim import make_optimizer
 from grpo.preflight import check_paths
-from grpo.runtime import (
-    StopSignal,
-    check_gpu_memory,
-    max_over_ranks,
-    mean_over_ranks,
-    phase,
-    print0,
-    print_banner,
-    release_host_memory,
-    report_stop,
-    run_rank,
-    setup_distributed,
-    shut_down,
-)
+from grpo.startup import check_gpu_memory, print_banner
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The math: pure functions on tensors. Response tensors are (B, T): B sequences, T response positions, `mask` marks
@@ -594,7 +593,7 @@ def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
 def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer):
     """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
     loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
-    from reward import equal_reward_groups
+    from grpo.grading import equal_reward_groups
 
     world = dist.get_world_size()
     _, prompts, samples, results, filter_stats = batch
@@ -706,7 +705,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data, reward, models, engine
     from transformers import AutoProcessor
 
-    from reward import RewardScorer, default_num_workers
+    from grpo.grading import RewardScorer, default_num_workers
 
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checkpoint  # noqa: E402
 import models  # noqa: E402
 
-from grpo.runtime import exit_rank  # noqa: E402
+from grpo.distributed import exit_rank  # noqa: E402
 
 
 def build_checkpoint(out_dir, layers):

@@ -24,10 +24,10 @@ import batching  # noqa: E402
 import checkpoint  # noqa: E402
 import lora  # noqa: E402
 import models  # noqa: E402
-import runtime  # noqa: E402
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import distributed  # noqa: E402
 from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch  # noqa: E402
 
@@ -177,4 +177,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)
