@@ -28,7 +28,7 @@ without frames) is skipped with a warning naming file and row; only when no row 
 key that no row of a file has is an error at once (MissingColumn, naming the file, the key and the columns it has):
 the prompt or answer key always; the image or video key when it is not the default, or when the default is absent
 but another column holds images (a forgotten data.image_key would otherwise train text-only).
-A reward function may ask for the row's other columns (reward.keyword_columns): `columns` names those an Example
+A reward function may ask for the row's other columns (grading.keyword_columns): `columns` names those an Example
 keeps (`True`: all of them), as the file has them.
 
 Images are decoded once at construction to check them and to learn their size, then kept as bytes / paths and
@@ -57,8 +57,8 @@ import jinja2
 import pyarrow.parquet as pq
 from PIL import Image
 
+from grpo.distributed import Stop
 from grpo.media import file_source, image_source, open_image, to_rgb
-from grpo.runtime import Stop
 from grpo.video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")

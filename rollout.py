@@ -8,7 +8,7 @@ The loop in train_grpo.py only calls the engine interface below, so engines plug
     samples = engine.generate(prompts, n, params, seed)  # list[Sample], prompt-major: n consecutive per prompt
     engine.sleep()                                       # give memory back to training
     engine.timings                                       # seconds of the last wake / weight sync / sleep
-    engine.close()                                       # at the end, before the process group goes (runtime.shut_down)
+    engine.close()                                       # at the end, before the process group goes (distributed.py)
     engine.offload = offload.TrainerOffload(...)         # optional: the trainer's idle state to host while generating
 
 An engine that has `offload` set moves the trainer's state to host memory when it generates (vLLM: after the weight
@@ -457,7 +457,7 @@ class VLLMEngine:
             self.offload.onload(self.timings)
 
     def close(self):
-        """Shut the engine down (runtime.shut_down: every rank at the same point, while the process groups it uses
+        """Shut the engine down (distributed.shut_down: every rank at the same point, while the process groups it uses
         are alive). A sleeping engine is woken first, the trainer's state offloaded as for a rollout (the memory plan's
         rollout phase): memory freed while asleep makes vLLM's CuMemAllocator unmap again what sleep unmapped, a
         CUDA error for each allocation (its free path handles that on ROCm only, vLLM 0.26 to 0.33)."""

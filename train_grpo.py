@@ -26,7 +26,7 @@ This file holds the config, the GRPO math as pure functions, the phases of a ste
 beside it, and none of it imports this file: rollout.py (the engines that sample answers), reward.py (grading),
 data.py (prompts and images), families.py, loading.py, attention.py, logprobs.py (the policy as a network), batching.py
 (micro-batch layouts, planning, rank balancing), checkpoint.py (save, resume, export), logger.py (metrics files and
-backends), runtime.py (distributed setup, the start-up banner, signals), memory_plan.py (the per-GPU plan),
+backends), distributed.py, startup.py (setup, signals, the banner), grading.py, memory_plan.py (the per-GPU plan),
 mismatch.py (engine/trainer mismatch: measure, guard, correct), turns.py and tools.py (tool calls in answers),
 partial.py (partial rollouts: answers carried from step to step).
 """
@@ -51,29 +51,28 @@ from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches,
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
-from grpo.loading import load_policy_and_reference, reshard
-from grpo.logger import MetricsLogger, save_config
-from grpo.logprobs import compute_device, forward_logprobs
-from grpo.lora import adapters_disabled
-from grpo.memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
-from grpo.mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
-from grpo.offload import TrainerOffload
-from grpo.optim import make_optimizer
-from grpo.preflight import check_paths
-from grpo.runtime import (
+from grpo.distributed import (
     StopSignal,
-    check_gpu_memory,
     max_over_ranks,
     mean_over_ranks,
     phase,
     print0,
-    print_banner,
-    release_host_memory,
     report_stop,
     run_rank,
     setup_distributed,
     shut_down,
 )
+from grpo.loading import load_policy_and_reference, reshard
+from grpo.logger import MetricsLogger, save_config
+from grpo.logprobs import compute_device, forward_logprobs
+from grpo.lora import adapters_disabled
+from grpo.machine import release_host_memory
+from grpo.memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
+from grpo.mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
+from grpo.offload import TrainerOffload
+from grpo.optim import make_optimizer
+from grpo.preflight import check_paths
+from grpo.startup import check_gpu_memory, print_banner
 from grpo.stats import StepStats
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -591,7 +590,7 @@ def run_validation(engine, model, val_set, processor, scorer, cfg, logger):
 def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer):
     """The step's metrics, reduced over ranks (collective): rewards and lengths averaged over every sample, the
     loss statistics summed from each rank's shares, the slowest rank's phase times, throughput."""
-    from reward import equal_reward_groups
+    from grpo.grading import equal_reward_groups
 
     world = dist.get_world_size()
     _, prompts, samples, results, filter_stats = batch
@@ -696,7 +695,7 @@ def main(argv=None):
     # -------------------------------------------------------------------------------- data, reward, models, engine
     from transformers import AutoProcessor
 
-    from reward import RewardScorer, default_num_workers
+    from grpo.grading import RewardScorer, default_num_workers
 
     a, r = cfg.actor, cfg.rollout
     processor = AutoProcessor.from_pretrained(a.model_path)

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo import attention, checkpoint, loading  # noqa: E402
-from grpo.runtime import exit_rank  # noqa: E402
+from grpo.distributed import exit_rank  # noqa: E402
 
 
 def build_checkpoint(out_dir, layers):

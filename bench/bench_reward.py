@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import reward  # noqa: E402
+from grpo import grading  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # legitimate answers
@@ -238,7 +239,7 @@ def compute_score_unguarded(response: str, ground_truth: str) -> dict[str, float
 
 
 VARIANTS = {
-    "guarded": reward.DEFAULT_SPEC,
+    "guarded": grading.DEFAULT_SPEC,
     "unguarded": f"{os.path.abspath(__file__)}:compute_score_unguarded",
 }
 
@@ -259,7 +260,7 @@ def grade_step(spec: str, responses: list[str], truths: list[str], timeout: floa
 
     CPU seconds say what the step costs on a quiet machine: on a shared one, wall time also counts other jobs."""
     cpu_before = reaped_children_cpu()
-    with reward.RewardScorer(spec, timeout=timeout, num_workers=workers) as scorer:
+    with grading.RewardScorer(spec, timeout=timeout, num_workers=workers) as scorer:
         t0 = time.perf_counter()
         scorer.score(["<think>r</think> \\boxed{\\frac{7}{2}}"] * workers, ["3.5"] * workers)  # start the workers
         start_s = time.perf_counter() - t0
@@ -287,7 +288,7 @@ def main():
     parser.add_argument("--hostile", type=float, default=0.02, help="fraction of degenerate responses")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=10.0, help="the trainer's reward.timeout")
-    parser.add_argument("--workers", type=int, default=reward.default_num_workers(1), help="default: one rank's")
+    parser.add_argument("--workers", type=int, default=grading.default_num_workers(1), help="default: one rank's")
     parser.add_argument("--variants", default="guarded,unguarded", help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
 

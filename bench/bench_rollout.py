@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import loading, runtime  # noqa: E402
+from grpo import distributed, loading, startup  # noqa: E402
 
 
 def timed(fn):
@@ -67,7 +67,7 @@ def main():
 
     cfg = train_grpo.load_config(args.config, args.overrides)
     cfg.rollout.engine = "vllm"
-    rank, world, device = runtime.setup_distributed()
+    rank, world, device = distributed.setup_distributed()
     train_grpo.check_config(cfg, world)
     from transformers import AutoProcessor
 
@@ -77,7 +77,7 @@ def main():
     processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
     dataset = PromptDataset(
         d.train_files, processor, prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key,
-        format_prompt=runtime.resolve_path(d.format_prompt) or None, min_pixels=d.min_pixels,
+        format_prompt=startup.resolve_path(d.format_prompt) or None, min_pixels=d.min_pixels,
         max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
     )  # fmt: skip
     rollout.check_prompt_limits(r, [dataset])  # the engine's images and videos per prompt, as in training
@@ -118,9 +118,9 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=2)
-    runtime.shut_down(vllm_engine)  # the engine, then the process group, as the trainer ends
+    distributed.shut_down(vllm_engine)  # the engine, then the process group, as the trainer ends
 
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)

@@ -99,7 +99,7 @@ def rank_main(argv):
     out_dir = os.environ["SOAK_OUT"]
     install_hooks(out_dir)
     import train_grpo
-    from grpo.runtime import run_rank
+    from grpo.distributed import run_rank
 
     run_rank(lambda: train_grpo.main(argv))
 

@@ -60,7 +60,7 @@ sys.path.insert(0, REPO)
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import attention, batching, families, loading, logprobs, routing  # noqa: E402
+from grpo import attention, batching, distributed, families, loading, logprobs, routing, startup  # noqa: E402
 from scripts.make_synthetic_data import make_geo3k_like  # noqa: E402
 from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, build_generation_config, build_tokenizer  # noqa: E402
 
@@ -365,9 +365,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     from transformers import AutoProcessor
 
     from data import PromptDataset
-    from grpo import runtime
 
-    _, _, device = runtime.setup_distributed()
+    _, _, device = distributed.setup_distributed()
     processor = AutoProcessor.from_pretrained(model_dir)
     dataset = PromptDataset(f"{data_dir}/train.parquet", processor, min_pixels=262144, max_pixels=4194304,
                             format_prompt=os.path.join(REPO, "configs/format_prompt/geo3k.jinja"))  # fmt: skip
@@ -407,7 +406,7 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     if families.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
     result["seeding"] = seeding_cost(engine, encoded, at_once, response_tokens)
-    runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
+    distributed.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
 
 
@@ -580,7 +579,7 @@ def main(argv=None):
         result = engine_vs_trainer(model_dir, data_dir, args.response_tokens, args.enforce_eager)
         with open(os.path.join(data_dir, "engine_vs_trainer.json"), "w") as f:
             json.dump(result, f)
-        __import__("runtime").exit_rank(0)  # as the trainer's ranks end (gloo's threads may outlive the group)
+        distributed.exit_rank(0)  # as the trainer's ranks end (gloo's threads may outlive the group)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA GPU (--dry-run does not)")
     out = os.environ.get("OUT") or os.path.join(REPO, "outputs", "gpu_check")
@@ -640,7 +639,7 @@ def main(argv=None):
         "transformers": __import__("transformers").__version__,
         "engine": args.engine,
         "model": SHAPES[args.family][1],
-        "fla": __import__("runtime").library_versions()["fla"],
+        "fla": startup.library_versions()["fla"],
         "mode": training_mode(cfg),
         "config": os.path.relpath(argv[0], REPO),
         "overrides": args.set,
@@ -725,6 +724,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # Ended as the trainer's ranks end (runtime.run_rank), not through the interpreter's teardown, which can wait
+    # Ended as the trainer's ranks end (distributed.run_rank), not through the interpreter's teardown, which can wait
     # for ever on what vLLM's engine and the process group leave behind: a check that failed must still end.
-    __import__("runtime").run_rank(main)
+    distributed.run_rank(main)

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from grpo import moe
+from grpo.distributed import Stop, phase, print0
 from grpo.loading import load_model, reshard
 from grpo.lora import LORA_ADAPTER, add_lora, base_name, full_tensor, is_lora_factor, lora_delta, merged_parameters
-from grpo.runtime import Stop, phase, print0, resolve_path
+from grpo.startup import resolve_path
 
 
 def save_checkpoint(output_dir, step, epoch, position, model, optimizer, scheduler, scorer, cfg, engine=None):

@@ -158,7 +158,7 @@ class TrainerConfig:
     val_before_train: bool = True
     save_freq: int = 5  # checkpoint every this many steps; 0 = never
     save_limit: int = 3  # keep the newest N checkpoints; 0 keeps all
-    collective_timeout_s: float = 3600.0  # a rank waiting longer for the others in a collective ends the run (runtime)
+    collective_timeout_s: float = 3600.0  # a collective that waits longer for a rank ends the run (distributed)
     export_hf: bool = True  # at the end, write the model to <output_dir>/hf (LoRA: merged, + the adapter directory)
     resume: str = "auto"  # auto | none | PATH
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard, wandb; jsonl always on

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from grpo.batching import mask_tool_turns, stack_padded
-from grpo.runtime import Stop, print0
+from grpo.distributed import Stop, print0
 
 SAFETY_BOUND = 20.0  # log ratios are clamped to +-20 before exp(): weights stay within [2e-9, 4.9e8]
 MODALITIES = ("text", "image", "video")  # a sample with a video counts as video, one with images as image

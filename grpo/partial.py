@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import rollout
 from grpo import tools, turns
-from grpo.runtime import max_over_ranks, mean_over_ranks
+from grpo.distributed import max_over_ranks, mean_over_ranks
 
 
 @dataclass

@@ -29,9 +29,9 @@ from urllib.parse import urlparse
 from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
 from grpo import turns
 from grpo.config import ConfigError
+from grpo.grading import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from grpo.loading import unsupported_model
-from grpo.runtime import resolve_path
-from reward import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
+from grpo.startup import resolve_path
 from rollout import check_prompt_limits, data_media
 
 SAMPLE_ROWS = 64  # rows of each data file a dry run parses (images decoded, prompts counted)
@@ -68,7 +68,7 @@ def check_paths(cfg) -> None:
 
 def dataset_kwargs(cfg, processor, columns: bool | frozenset[str] = frozenset(), sample_rows: int = 0) -> dict:
     """PromptDataset's arguments from the config: the same prompts in the run and in its dry run. `columns`: what
-    the reward function asks for of each row (reward.keyword_columns)."""
+    the reward function asks for of each row (grading.keyword_columns)."""
     d = cfg.data
     return dict(
         prompt_key=d.prompt_key, answer_key=d.answer_key, image_key=d.image_key, video_key=d.video_key,

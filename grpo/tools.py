@@ -8,7 +8,7 @@ list of images, or a dict {"text": ..., "images": [...]}. Its `schema` attribute
 
 The model calls a tool Hermes-style, as Qwen's chat templates teach it:
 `<tool_call>{"name": "crop", "arguments": {"box": [0, 0, 0.5, 0.5]}}</tool_call>`; the result comes back in a
-`<tool_response>` turn. Tools run in worker processes with a time bound (reward.RewardScorer's pool), so a tool that
+`<tool_response>` turn. Tools run in worker processes with a time bound (grading.RewardScorer's pool), so a tool that
 hangs or crashes costs its call an error message, never the step.
 
 Shipped: `crop` (zoom into a box of one of the conversation's images) and `calculate` (a bounded arithmetic
@@ -23,7 +23,7 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-import reward
+from grpo import grading
 
 TOOL_CALL, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # The kinds of failed call the model is told about and the metrics count (rollout/tool_<kind>).
@@ -53,7 +53,7 @@ def tool_name(spec: str) -> str:
 
 def load_tool(spec: str):
     """The function named by "path/to/file.py:function", checked for a schema the model can be shown."""
-    fn = reward.load_reward_fn(spec)
+    fn = grading.load_reward_fn(spec)
     schema = getattr(fn, "schema", None)
     if not isinstance(schema, dict) or schema.get("name") != tool_name(spec):
         raise ValueError(f"tool {spec!r}: the function needs a `schema` dict whose name is {tool_name(spec)!r}")
@@ -132,7 +132,7 @@ def as_result(value) -> ToolResult:
 
 
 # -----------------------------------------------------------------------------
-# the pool: reward.RewardScorer's workers, each loading every tool, a call bounded like a grading
+# the pool: grading.RewardScorer's workers, each loading every tool, a call bounded like a grading
 
 
 def _tool_worker_main(conn, specs: str) -> None:
@@ -140,7 +140,7 @@ def _tool_worker_main(conn, specs: str) -> None:
     as a result (fault "error"), so only a hang or a crash costs the worker."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank owns the workers' lifetime (see reward._worker_main)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank owns the workers' lifetime (see grading._worker_main)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         fns = {tool_name(s): load_tool(s) for s in specs.split("\n")}
@@ -168,15 +168,15 @@ def run_call(fns: dict, call: dict, images: list) -> ToolResult:
     return result
 
 
-class ToolPool(reward.RewardScorer):
+class ToolPool(grading.RewardScorer):
     """Runs a turn's tool calls, each bounded by `timeout` seconds, in persistent spawned workers that a hang gets
-    killed and replaced (reward.RewardScorer's machinery). A call that times out or crashes its worker comes back
+    killed and replaced (grading.RewardScorer's machinery). A call that times out or crashes its worker comes back
     as a ToolResult with fault "timeout"."""
 
     worker_main = staticmethod(_tool_worker_main)
 
     def __init__(self, specs: list[str], timeout: float = 10.0, num_workers: int = 1):
-        paths = [reward.resolve_spec(s) for s in specs]
+        paths = [grading.resolve_spec(s) for s in specs]
         specs = [f"{path}:{name}" for path, name in paths]  # absolute, so workers find them whatever their cwd
         self.fns = {tool_name(s): load_tool(s) for s in specs}  # fail fast, here, on a bad spec
         super().__init__(specs[0], timeout, num_workers)
@@ -247,7 +247,7 @@ crop.schema = {
 
 MAX_EXPRESSION_CHARS = 500
 MAX_MAGNITUDE = 1e100  # no geometry computation needs more; bounds every intermediate value
-MAX_EXPONENT = reward.MAX_EXPONENT
+MAX_EXPONENT = 1000  # no geometry computation needs a larger power (the bound of the reward guard, reward.py)
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
           ast.Pow: operator.pow, ast.Mod: operator.mod, ast.FloorDiv: operator.floordiv}  # fmt: skip
 UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import tools
-from grpo.runtime import mean_over_ranks
+from grpo.distributed import mean_over_ranks
 from rollout import Prompt, Sample, engine_prompt_ids
 
 # The tool turn around a result, Qwen's way: the model's turn ends after its call, the result comes back in a user

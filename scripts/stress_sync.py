@@ -170,11 +170,11 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         gather_worker(args)
-        from grpo import runtime  # (gather_worker put the repository on the path)
+        from grpo import distributed  # (gather_worker put the repository on the path)
 
         # gloo's worker threads can still be dropping the last gathers' tensors: an interpreter that finalizes under
         # them aborts ("terminate called without an active exception"), a launch counted as crashed
-        runtime.exit_rank(0)
+        distributed.exit_rank(0)
     args.work = args.work.resolve()
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     if args.kind == "demo":

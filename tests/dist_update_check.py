@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import loading, runtime  # noqa: E402
+from grpo import distributed, loading  # noqa: E402
 from grpo.stats import StepStats  # noqa: E402
 
 PROMPTS, N = 4, 2
@@ -61,7 +61,7 @@ def main():
     while "--then" in rest:
         sets.append(rest[: rest.index("--then")])
         rest = rest[rest.index("--then") + 1 :]
-    _, _, device = runtime.setup_distributed()
+    _, _, device = distributed.setup_distributed()
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -126,4 +126,4 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)

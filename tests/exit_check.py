@@ -7,7 +7,7 @@ Rank 1 starts an all-reduce and drops its own references; rank 0 joins the all-r
 handlers, so the worker finishes the collective, and drops the tensor, while rank 1 is ending. Ended by returning, the
 interpreter is mostly finalizing by then (7 of 10 launches on a 2-core machine): the worker's GIL acquire ends that
 thread inside a C++ destructor and the process aborts ("terminate called without an active exception"). Ended by
-runtime.exit_rank it must exit with code 0, after its exit handlers ran and its output was written.
+distributed.exit_rank it must exit with code 0, after its exit handlers ran and its output was written.
 """
 
 import atexit
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-from grpo import runtime  # noqa: E402
+from grpo import distributed  # noqa: E402
 
 
 class SlowTeardown:
@@ -30,7 +30,7 @@ class SlowTeardown:
 
 
 def main():
-    rank, _, _ = runtime.setup_distributed()
+    rank, _, _ = distributed.setup_distributed()
     store = dist.distributed_c10d._get_default_store()
     if rank == 1:
         tensor = torch.ones(1 << 16)
@@ -52,4 +52,4 @@ def main():
 if __name__ == "__main__":
     main()
     if sys.argv[1] == "exit_rank":
-        runtime.exit_rank(0)
+        distributed.exit_rank(0)

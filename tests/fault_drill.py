@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from torch.distributed.checkpoint.filesystem import FileSystem  # noqa: E402
 
 import train_grpo  # noqa: E402
-from grpo.runtime import exit_rank  # noqa: E402
+from grpo.distributed import exit_rank  # noqa: E402
 
 
 class FullDisk:

@@ -20,7 +20,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import loading, runtime  # noqa: E402
+from grpo import distributed, loading  # noqa: E402
 
 N, MAX_TOKENS = 2, 8
 RANK_PROMPTS = [[0, 1, 2], [3]]
@@ -71,7 +71,7 @@ def main():
     from transformers import AutoProcessor
 
     model_dir, out_path = sys.argv[1], sys.argv[2]
-    rank, world, device = runtime.setup_distributed()
+    rank, world, device = distributed.setup_distributed()
     processor = AutoProcessor.from_pretrained(model_dir)
     prompts = image_prompts(processor, sum(len(p) for p in RANK_PROMPTS))
     mine = [prompts[i] for i in RANK_PROMPTS[rank]]
@@ -100,4 +100,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)

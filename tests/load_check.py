@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import batching, checkpoint, loading, logprobs, lora, runtime  # noqa: E402
+from grpo import batching, checkpoint, distributed, loading, logprobs, lora  # noqa: E402
 from grpo.config import ActorConfig
 from tests.test_packing import _mixed_batch  # noqa: E402
 
@@ -172,4 +172,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)

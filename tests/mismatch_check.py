@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import runtime  # noqa: E402
+from grpo import distributed  # noqa: E402
 
 
 def blank(prompt):
@@ -48,7 +48,7 @@ def faulty(engine_class, faults):
             super().sync_weights(model)
             Faulty.syncs += 1
             total = sum(p.to_local().double().sum().item() for p in model.parameters() if hasattr(p, "to_local"))
-            runtime.print0(f"sync {Faulty.syncs}: weights sum {total!r}")
+            distributed.print0(f"sync {Faulty.syncs}: weights sum {total!r}")
             if f"weights@{Faulty.syncs}" in faults:
                 self.llm.apply_model(perturb)
 
@@ -70,4 +70,4 @@ def faulty(engine_class, faults):
 if __name__ == "__main__":
     faults, argv = sys.argv[1].split("+"), sys.argv[2:]
     rollout.ENGINES = {name: faulty(cls, faults) for name, cls in rollout.ENGINES.items()}
-    runtime.run_rank(lambda: train_grpo.main(argv))
+    distributed.run_rank(lambda: train_grpo.main(argv))

@@ -254,7 +254,7 @@ def test_step_timeouts_count_every_round_of_the_step(single_rank_group):
 def test_a_reward_failing_on_every_answer_stops_the_step(single_rank_group, tmp_path):
     """Guards against a reward that returns the wrong type on every answer training on at reward 0 (it did, to the
     end, exit 0): the step's reduction over ranks sees every answer failed and stops it with the function's error."""
-    from reward import RewardScorer
+    from grpo.grading import RewardScorer
 
     (tmp_path / "wrong.py").write_text("def reward(response, ground_truth):\n    return 'correct'\n")
     with RewardScorer(f"{tmp_path / 'wrong.py'}:reward", timeout=None) as scorer:

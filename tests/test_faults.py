@@ -114,7 +114,7 @@ def test_both_process_group_branches_get_the_timeout(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from grpo import runtime
+    from grpo import distributed
 
     calls, real = [], dist.init_process_group
 
@@ -133,7 +133,7 @@ def test_both_process_group_branches_get_the_timeout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     for cuda in (True, False):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        runtime.setup_distributed(42)
+        distributed.setup_distributed(42)
     timeout = datetime.timedelta(seconds=42)
     assert calls == [
         (("cpu:gloo,cuda:nccl",), {"device_id": torch.device("cuda", 0), "timeout": timeout}),

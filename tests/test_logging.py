@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from grpo.logger import MetricsLogger, format_duration
-from grpo.runtime import version_mismatch
+from grpo.startup import version_mismatch
 from tests.launch import torchrun
 from train_grpo import ConfigError, check_config, load_config, main
 

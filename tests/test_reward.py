@@ -8,22 +8,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, where reward.py lives
 
-from reward import (  # noqa: E402
-    FORMAT_REGEX,
+from grpo.grading import (  # noqa: E402
     MAX_DEFAULT_WORKERS,
     RewardScorer,
     call_reward,
-    compute_score,
     default_num_workers,
-    digit_fraction,
     equal_reward_groups,
-    has_format,
-    is_equivalent,
     keyword_columns,
-    last_boxed,
     load_reward_fn,
     peer_contract,
 )
+from reward import FORMAT_REGEX, compute_score, digit_fraction, has_format, is_equivalent, last_boxed  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # format
@@ -509,6 +504,19 @@ def test_default_spec_found_from_any_cwd(tmp_path, monkeypatch):
     assert load_reward_fn("reward.py:compute_score")("\\boxed{2}", "2")["accuracy"] == 1.0
 
 
+def test_a_bare_name_finds_the_package_module(tmp_path, monkeypatch):
+    """Guards against the shipped tools' specs ("tools.py:crop", in configs and docs) breaking when tools.py moved
+    into grpo/, and against such a module being loaded a second time, as a copy with classes of its own."""
+    from grpo import tools
+
+    monkeypatch.chdir(tmp_path)
+    assert load_reward_fn("tools.py:calculate") is tools.calculate
+    with pytest.raises(ValueError, match="not found"):
+        load_reward_fn("nofile.py:crop")
+    (tmp_path / "tools.py").write_text("def calculate(arguments, images):\n    return 'mine'\n")
+    assert load_reward_fn("tools.py:calculate")({}, []) == "mine"  # the cwd's file of that name comes first
+
+
 @pytest.mark.parametrize(
     "cores, local_ranks, expected",
     [(2, 1, 2), (16, 1, MAX_DEFAULT_WORKERS), (16, 8, 2), (16, 4, 4), (4, 8, 1), (1, 1, 1)],
@@ -539,7 +547,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, Block())
 import train_grpo, reward
-assert reward.load_reward_fn("reward.py:digit_fraction")("12ab", "")["overall"] == 0.5
+from grpo.grading import load_reward_fn
+assert load_reward_fn("reward.py:digit_fraction")("12ab", "")["overall"] == 0.5
 try:
     reward.compute_score("<think>x</think> \\\\boxed{\\\\frac{7}{2}}", "3.5")
 except ModuleNotFoundError as e:

@@ -6,11 +6,10 @@ import time
 import pytest
 
 from bench.bench_reward import HOSTILE, legitimate_pairs, make_step
+from grpo.grading import RewardScorer, default_num_workers
 from reward import (
     PLAIN_NUMBER,
-    RewardScorer,
     compute_score,
-    default_num_workers,
     grade_symbolically,
     largest_exponent,
     largest_factorial,

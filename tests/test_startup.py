@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from grpo import quiet, runtime
+from grpo import distributed, machine, quiet
 from tests.launch import REPO, torchrun
 from train_grpo import load_config, main
 
@@ -20,14 +20,14 @@ from train_grpo import load_config, main
 def test_gpus_that_torch_cannot_use_stop_the_run():
     """Guards against the silent fallback: an 8-GPU node whose driver is older than torch's CUDA build makes
     torch.cuda.is_available() False, and the trainer would train on the CPU (gloo, fp32) without a word."""
-    old_driver = runtime.cuda_problem(False, 8, "550.54.15", "13.0")
+    old_driver = machine.cuda_problem(False, 8, "550.54.15", "13.0")
     assert "8 NVIDIA GPUs" in old_driver and "driver 550.54.15" in old_driver and ">= 580" in old_driver
-    no_driver = runtime.cuda_problem(False, 1, None, "12.8")
+    no_driver = machine.cuda_problem(False, 1, None, "12.8")
     assert "no NVIDIA driver loaded" in no_driver and ">= 525" in no_driver
-    assert "CPU-only build" in runtime.cuda_problem(False, 2, "580.65.06", None)
-    assert "new enough" in runtime.cuda_problem(False, 2, "580.65.06", "13.0")
-    assert runtime.cuda_problem(True, 8, "580.65.06", "13.0") is None  # CUDA works
-    assert runtime.cuda_problem(False, 0, None, "13.0") is None  # a CPU machine: nothing to warn about
+    assert "CPU-only build" in machine.cuda_problem(False, 2, "580.65.06", None)
+    assert "new enough" in machine.cuda_problem(False, 2, "580.65.06", "13.0")
+    assert machine.cuda_problem(True, 8, "580.65.06", "13.0") is None  # CUDA works
+    assert machine.cuda_problem(False, 0, None, "13.0") is None  # a CPU machine: nothing to warn about
 
 
 def test_driver_version_and_gpu_files(monkeypatch, tmp_path):
@@ -43,22 +43,22 @@ def test_driver_version_and_gpu_files(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "open", lambda p, *a, **k: real_open(path if "nvidia" in str(p) else p, *a, **k))
     for text, want in texts.items():
         path.write_text(text)
-        assert runtime.nvidia_driver_version() == want
+        assert machine.nvidia_driver_version() == want
     monkeypatch.setattr(builtins, "open", real_open)
     monkeypatch.setattr(os, "listdir", lambda d: ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null"])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert runtime.visible_nvidia_gpus() == 2
+    assert machine.visible_nvidia_gpus() == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert runtime.visible_nvidia_gpus() == 0
+    assert machine.visible_nvidia_gpus() == 0
 
 
 def test_one_gpu_per_task_uses_it_whatever_the_local_rank():
     """Guards against `srun --ntasks-per-node=8 --gpus-per-task=1`: each task sees its one GPU as device 0, and
     asking for cuda:LOCAL_RANK fails on all but the first."""
-    assert runtime.cuda_index(5, 1) == 0
-    assert runtime.cuda_index(5, 8) == 5
+    assert distributed.cuda_index(5, 1) == 0
+    assert distributed.cuda_index(5, 8) == 5
     with pytest.raises(SystemExit, match="local rank 5 but it sees 4 GPUs"):
-        runtime.cuda_index(5, 4)
+        distributed.cuda_index(5, 4)
 
 
 def vllm_launcher_device(env, device_count: int) -> int:
@@ -106,7 +106,7 @@ def test_vllm_opens_the_gpu_the_trainer_chose(monkeypatch, layout):
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         monkeypatch.setattr(torch.cuda, "device_count", lambda n=gpus: n)
-        _, _, device = runtime.setup_distributed()
+        _, _, device = distributed.setup_distributed()
         assert vllm_launcher_device(os.environ, gpus) == device.index
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = int(visible.split(",")[device.index]) if visible else device.index
@@ -233,7 +233,7 @@ def test_stderr_filter_ends_with_its_block_while_a_child_started_inside_lives_on
         child.wait()
     # the tracker that vLLM's shared memory starts inside the block was started before it, with the real stderr
     # (in a fresh interpreter: this one's tracker may be older than the test)
-    script = ("import os, quiet; from multiprocessing import resource_tracker, shared_memory\n"
+    script = ("import os; from grpo import quiet; from multiprocessing import resource_tracker, shared_memory\n"
               "with quiet.filtered_stderr(True):\n"
               "    shm = shared_memory.SharedMemory(create=True, size=64); shm.close(); shm.unlink()\n"
               "tracker = resource_tracker._resource_tracker._pid\n"
@@ -275,7 +275,7 @@ def test_exit_rank_survives_a_gloo_worker_still_holding_a_tensor():
     """Guards against a finished run aborting at exit (SIGABRT, "terminate called without an active exception", so
     torchrun and Slurm report it failed): a gloo worker thread that drops its last collective's tensor while the
     interpreter finalizes kills the process. tests/exit_check.py makes that happen on rank 1; ending by returning
-    aborted in 7 of 10 launches on this machine, and runtime.exit_rank must end it cleanly every time."""
+    aborted in 7 of 10 launches on this machine, and distributed.exit_rank must end it cleanly every time."""
     out = torchrun(2, "tests/exit_check.py", "exit_rank", timeout=120)
     assert "rank 1: main returned" in out and "rank 1: exit handlers ran" in out  # its output, its exit handlers
 
@@ -284,8 +284,8 @@ def test_exit_rank_keeps_the_exit_code_handlers_and_output():
     """Guards against exit_rank losing what a normal exit does: the code, exit handlers, Python's buffered output, and
     the C libraries' teardown (here C stdio's buffer, written only by C's exit(); os._exit would drop it)."""
     code = (
-        "import atexit, ctypes, runtime; atexit.register(print, 'handler'); print('buffered'); "
-        "ctypes.CDLL(None).printf(b'c stdio'); runtime.exit_rank(3)"
+        "import atexit, ctypes; from grpo import distributed; atexit.register(print, 'handler'); print('buffered'); "
+        "ctypes.CDLL(None).printf(b'c stdio'); distributed.exit_rank(3)"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (which unbuffers C stdio too)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
@@ -307,8 +307,8 @@ def test_a_stop_is_said_once_by_rank_0_without_a_traceback(monkeypatch, capsys):
         codes.append(code)
         raise Exited
 
-    monkeypatch.setattr(runtime, "exit_rank", exit_rank)
-    monkeypatch.setattr(runtime, "PRE_GROUP_WAIT_S", 0.0)
+    monkeypatch.setattr(distributed, "exit_rank", exit_rank)
+    monkeypatch.setattr(distributed, "PRE_GROUP_WAIT_S", 0.0)
 
     def run(rank, error):
         monkeypatch.setenv("RANK", str(rank))
@@ -317,12 +317,12 @@ def test_a_stop_is_said_once_by_rank_0_without_a_traceback(monkeypatch, capsys):
             raise error
 
         with pytest.raises(Exited):
-            runtime.run_rank(main)
+            distributed.run_rank(main)
         return codes[-1], capsys.readouterr().err
 
-    assert run(0, runtime.Stop("error: change x", code=3)) == (3, "error: change x\n")
-    assert run(1, runtime.Stop("error: change x", code=3)) == (3, "")
-    assert run(1, runtime.Stop("error: my GPU is busy", every_rank=False)) == (1, "rank 1: error: my GPU is busy\n")
+    assert run(0, distributed.Stop("error: change x", code=3)) == (3, "error: change x\n")
+    assert run(1, distributed.Stop("error: change x", code=3)) == (3, "")
+    assert run(1, distributed.Stop("error: my GPU is busy", every_rank=False)) == (1, "rank 1: error: my GPU is busy\n")
     assert run(0, SystemExit("error: a plain one")) == (1, "error: a plain one\n")
     assert run(1, SystemExit("error: a plain one")) == (1, "")
     monkeypatch.setenv("RANK", "0")
@@ -339,13 +339,14 @@ def test_a_rank_that_crashed_ends_while_a_thread_lives_on():
     that is not a daemon (a library's worker), so a fault left to it can keep the rank alive until its peers'
     collectives time out. run_rank must print the fault (traceback, the phase) and end with 1 at once."""
     code = (
-        "import sys, threading, time, runtime\n"
-        "sys.excepthook = runtime.report_failure(sys.excepthook, 60)\n"
+        "import sys, threading, time\n"
+        "from grpo import distributed\n"
+        "sys.excepthook = distributed.report_failure(sys.excepthook, 60)\n"
         "def main():\n"
         "    threading.Thread(target=time.sleep, args=(300,)).start()  # not a daemon\n"
-        "    runtime.phase('rollout')\n"
+        "    distributed.phase('rollout')\n"
         "    raise ValueError('a bug')\n"
-        "runtime.run_rank(main)\n"
+        "distributed.run_rank(main)\n"
     )
     start = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
@@ -360,9 +361,9 @@ def test_a_rank_that_lost_a_peer_says_so_in_one_line(monkeypatch, capsys):
     waited in: no news), while a fault of the rank itself must keep its whole traceback."""
     seen = []
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(runtime, "_verbose", False)
-    monkeypatch.setattr(runtime, "_phase", "start-up")
-    report = runtime.report_failure(lambda *exc: seen.append(exc[0]), 20)
+    monkeypatch.setattr(distributed, "_verbose", False)
+    monkeypatch.setattr(distributed, "_phase", "start-up")
+    report = distributed.report_failure(lambda *exc: seen.append(exc[0]), 20)
     report(RuntimeError, RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234\nmore"), None)
     line = "rank 1: failed in phase 'start-up': another rank left a collective (it died: see its output) "
     assert capsys.readouterr().err == line + "(RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234)\n"

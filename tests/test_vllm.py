@@ -75,8 +75,8 @@ def test_the_engines_image_cache_is_capped(tp1):
 def test_engine_is_shut_down_before_the_process_group(tp1, tp2):
     """Guards against a finished run leaving vLLM's engine alive when the process group goes: its groups, NCCL
     communicators and allocator pools would be torn down by exit hooks and destructors after what they use (a run that
-    succeeded can abort). After runtime.shut_down, as the trainer ends, vLLM's model-parallel groups, its world group
-    and the process group are all gone, at tensor parallel 1 and 2, and every rank exited 0."""
+    succeeded can abort). After distributed.shut_down, as the trainer ends, vLLM's model-parallel groups, its world
+    group and the process group are all gone, at tensor parallel 1 and 2, and every rank exited 0."""
     for rank in tp1 + tp2:
         assert rank["after_shut_down"] == [False, False, False]
 

@@ -88,11 +88,11 @@ def test_flashinfer_sampler_off_only_on_cuda_without_flashinfer(monkeypatch):
 def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engine_kind, cuda):
     """Guards against the end of a run leaving vLLM's engine to exit hooks: its groups, NCCL communicators and
     CuMemAllocator pools were torn down after destroy_process_group (an abort of a run that succeeded), and a
-    sleeping engine's memory freed unmapped (a CUDA error per allocation). runtime.shut_down with stand-ins of vLLM's
-    in-process clients (0.26: shutdown() calls EngineCore.shutdown(); 0.33: only while its finalizer is attached,
-    and skip_engine_teardown detached it at start) and of EngineCore.shutdown (worker, then vLLM's groups, then
-    destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both). Also against the CPU
-    run's skipped garbage collections reaching a CUDA run, whose freed device memory the allocator must see, or
+    sleeping engine's memory freed unmapped (a CUDA error per allocation). distributed.shut_down with stand-ins of
+    vLLM's in-process clients (0.26: shutdown() calls EngineCore.shutdown(); 0.33: only while its finalizer is
+    attached, and skip_engine_teardown detached it at start) and of EngineCore.shutdown (worker, then vLLM's groups,
+    then destroy_process_group of the default group, as cleanup_dist_env_and_memory does in both). Also against the
+    CPU run's skipped garbage collections reaching a CUDA run, whose freed device memory the allocator must see, or
     gc.collect staying replaced after the shutdown."""
     import gc
 
@@ -100,7 +100,7 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
     import torch.distributed as dist
 
     import rollout
-    from grpo import runtime
+    from grpo import distributed
 
     events, group = [], {"up": True}
 
@@ -163,7 +163,7 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
     gc.callbacks.append(count)
     gc.disable()  # only the shutdown's own collections count
     try:
-        runtime.shut_down(engine)
+        distributed.shut_down(engine)
     finally:
         gc.enable()
         gc.callbacks.remove(count)

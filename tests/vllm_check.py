@@ -26,7 +26,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
-from grpo import batching, families, loading, logprobs, lora, moe, routing, runtime, video  # noqa: E402
+from grpo import batching, distributed, families, loading, logprobs, lora, moe, routing, video  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES = 56 * 56, 112 * 112, 6
@@ -205,7 +205,7 @@ def linear_kernels(model) -> list[int]:
 def main():
     model_dir, out_dir, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
     with_lora = sys.argv[4:] == ["lora"]
-    rank, world, device = runtime.setup_distributed()
+    rank, world, device = distributed.setup_distributed()
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
@@ -313,7 +313,7 @@ def main():
         check_expert_adapters(cfg, engine, model_dir, device, (text, image), ids, params, seed, result)
     engine.sleep()
 
-    runtime.shut_down(engine)  # as the trainer ends: the engine, then the process group
+    distributed.shut_down(engine)  # as the trainer ends: the engine, then the process group
     from vllm.distributed import parallel_state
 
     # what is left of vLLM's parallel state (its groups, the world group) and of torch.distributed
@@ -326,4 +326,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)
+    distributed.exit_rank(0)

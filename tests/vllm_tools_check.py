@@ -18,7 +18,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from data import set_pixel_range  # noqa: E402
-from grpo import batching, loading, logprobs, runtime, tools, turns  # noqa: E402
+from grpo import batching, distributed, loading, logprobs, tools, turns  # noqa: E402
 from tests.hf_engine_check import image_prompts  # noqa: E402
 from tests.test_tools import SPECS, Scripted, scripted_calls  # noqa: E402
 
@@ -29,7 +29,7 @@ def main():
     from transformers import AutoProcessor
 
     model_dir, out_path = sys.argv[1], sys.argv[2]
-    _, world, device = runtime.setup_distributed()
+    _, world, device = distributed.setup_distributed()
     processor = AutoProcessor.from_pretrained(model_dir)
     set_pixel_range(processor, *BOUNDS)
     cfg = train_grpo.load_config(None, [
@@ -71,9 +71,9 @@ def main():
     engine.sleep()
     with open(out_path, "w") as f:
         json.dump(result, f)
-    runtime.shut_down(engine)  # the engine, then the process group, as the trainer ends
+    distributed.shut_down(engine)  # the engine, then the process group, as the trainer ends
 
 
 if __name__ == "__main__":
     main()
-    runtime.exit_rank(0)  # past gloo's worker threads still dropping the last tensors (see runtime.exit_rank)
+    distributed.exit_rank(0)  # past gloo's worker threads still dropping the last tensors (see distributed.exit_rank)

