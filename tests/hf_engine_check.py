@@ -18,11 +18,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import models  # noqa: E402
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import models, runtime  # noqa: E402
 
 N, MAX_TOKENS = 2, 8
 RANK_PROMPTS = [[0, 1, 2], [3]]
@@ -53,8 +51,10 @@ def tiny_policy(model_dir, processor):
 
 
 def hf_engine(processor, max_num_seqs):
+    from grpo.hf_engine import HFEngine
+
     cfg = train_grpo.load_config(None, [f"rollout.max_num_seqs={max_num_seqs}"])
-    return rollout.HFEngine(cfg, processor)
+    return HFEngine(cfg, processor)
 
 
 def count_generate_calls(model):

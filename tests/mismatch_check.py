@@ -20,10 +20,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
-import runtime  # noqa: E402
-
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
+from grpo import runtime  # noqa: E402
 
 
 def blank(prompt):
