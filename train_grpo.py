@@ -266,11 +266,18 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
         # a distinct, reproducible stream per step, round and rank (resumed runs sample exactly the same)
         seed = cfg.trainer.seed * 1_000_003 + step * world + rank + round_ * 10_000_019
         t0 = time.perf_counter()
-        batch, batch_prompts, batch_samples, epoch, position = partial.draw_and_generate(
-            engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step, len(examples)
-        )
+        if engine.carry is None:  # draw the next prompts of this rank's shard, generate n answers to each
+            indices, epoch, position = sampler.next_indices(epoch, position, need)
+            batch = [train_set[i] for i in indices]
+            batch_prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
+            batch_samples = engine.generate(batch_prompts, r.n, params, seed=seed)
+            counts = engine.stats  # with tools, the calls and faults (turns.ToolEngine takes turns in generate)
+        else:  # partial rollouts: the groups the step lacks, unfinished answers carried to the next step (partial.py)
+            batch, batch_prompts, batch_samples, counts, epoch, position = partial.draw_and_generate(
+                engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step, len(examples)
+            )
         timings["time/generate"] += time.perf_counter() - t0
-        stats.update({k: stats.get(k, 0.0) + v for k, v in getattr(engine, "stats", {}).items()})  # tool counts
+        stats.update({k: stats.get(k, 0.0) + v for k, v in counts.items()})  # summed over the rounds
         t0 = time.perf_counter()
         rows = [batch[s.prompt_index] for s in batch_samples]  # (the reward may ask for their columns)
         batch_results = scorer.score([s.text for s in batch_samples], [ex.answer for ex in rows], rows)
@@ -703,8 +710,9 @@ def main(argv=None):
     workers = cfg.reward.num_workers or default_num_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     scorer = RewardScorer(cfg.reward.reward_fn, timeout=cfg.reward.timeout, num_workers=workers)  # (workers: later)
     train_set, val_set, sampler, total_steps = load_datasets(cfg, processor, rank, world, scorer.columns)
+    offload = TrainerOffload()  # the trainer's idle state, to host while the engine generates (models: once loaded)
     # every rank, at the same point, before the trainer takes device memory: vLLM's start is collective
-    engine = partial.with_carry(turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor), cfg)
+    engine = rollout.make_engine(cfg, processor, offload)
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
@@ -712,7 +720,7 @@ def main(argv=None):
     print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     ids = (pad_id, model.config.image_token_id)
     optimizer, scheduler = make_optimizer(model, a)
-    engine.offload = TrainerOffload(model, ref_model, optimizer, a)  # to host while the KV cache is awake, and back
+    offload.hold(model, ref_model, optimizer, a)  # to host while the KV cache is awake, and back
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < cfg.data.rollout_batch_size or cfg.algorithm.kl_in_reward

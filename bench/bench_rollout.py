@@ -72,6 +72,7 @@ def main():
     from transformers import AutoProcessor
 
     from data import PromptDataset
+    from grpo.hf_engine import HFEngine
 
     d, r = cfg.data, cfg.rollout
     processor = AutoProcessor.from_pretrained(cfg.actor.model_path)
@@ -95,7 +96,7 @@ def main():
     results = {"world_size": world, "device": device.type, "prompts": d.rollout_batch_size, "n": r.n,
                "max_tokens": d.max_response_length, "vllm_start_s": t_start}  # fmt: skip
     results["vllm"] = bench_generate(vllm_engine, model, prompts, params, r.n, seed, args.repeats)
-    results["hf"] = bench_generate(rollout.HFEngine(cfg, processor), model, prompts, params, r.n, seed, args.repeats)
+    results["hf"] = bench_generate(HFEngine(cfg, processor), model, prompts, params, r.n, seed, args.repeats)
     syncs = []
     for _ in range(args.repeats):
         vllm_engine.wake()

@@ -297,14 +297,16 @@ def run_trainer(model_dir, data_dir, out_dir, args):
     originals = {name: getattr(train_grpo, name) for name in PHASES.values()}
     for phase, name in PHASES.items():
         setattr(train_grpo, name, measured(phase, originals[name]))
-    sleeps, sleep = [], rollout.VLLMEngine.sleep
-    rollout.VLLMEngine.sleep = lambda engine: free_around(sleeps, sleep, engine)
+    from grpo.vllm_engine import VLLMEngine
+
+    sleeps, sleep = [], VLLMEngine.sleep
+    VLLMEngine.sleep = lambda engine: free_around(sleeps, sleep, engine)
     try:
         code = train_grpo.main(trainer_argv(model_dir, data_dir, out_dir, args))
     finally:
         for name, fn in originals.items():
             setattr(train_grpo, name, fn)
-        rollout.VLLMEngine.sleep = sleep
+        VLLMEngine.sleep = sleep
     if code != 0:
         raise SystemExit(f"the trainer exited with {code}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -395,7 +397,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         encoded = [rollout.encode_prompt(processor, e) for e in rows]
         samples = engine.generate(encoded, n, params, seed=0)
         answered = [encoded[s.prompt_index] for s in samples]
-        batch, response_ids, mask = rollout.collate(answered, [s.response_ids for s in samples], pad_id, image_token_id)
+        responses = [s.response_ids for s in samples]
+        batch, response_ids, mask = batching.collate(answered, responses, pad_id, image_token_id)
         with torch.no_grad():
             logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0].float().cpu()  # (B, T)
         engine_logp = torch.zeros_like(logp)
@@ -489,12 +492,15 @@ def seeding_cost(engine, prompts, n, max_tokens):
     over `generators`, 0.26 and 0.32; on CUDA any seeded request also sends the batch past FlashInfer's sampler to
     that path), an unseeded batch's in one call: with hundreds of answers a rank, hundreds of small kernels a decode
     step. Alternated, twice each, the faster of each."""
-    requests = [engine._request(rollout.engine_prompt_ids(p, engine.image_token_id), p.images, []) for p in prompts]
+    from grpo.samples import engine_prompt_ids
+    from grpo.vllm_engine import request_seed
+
+    requests = [engine._request(engine_prompt_ids(p, engine.image_token_id), p.images, []) for p in prompts]
     params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens)
     best = {"seeded": 0.0, "unseeded": 0.0}
     for _ in range(2):
         for name in best:
-            seeds = [rollout.request_seed(7, i, n) if name == "seeded" else None for i in range(len(requests))]
+            seeds = [request_seed(7, i, n) if name == "seeded" else None for i in range(len(requests))]
             sampling = [engine._sampling(params, n, max_tokens, seed) for seed in seeds]
             t0 = time.perf_counter()
             outputs = engine.llm.generate(requests, sampling, use_tqdm=False)

@@ -125,7 +125,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # vllm on GPU: share of device memory for weights + KV cache while awake
     cpu_kv_cache_bytes: int = 1 << 30  # vllm on CPU: KV-cache size per rank (there is no device memory to share)
     mm_cache_gb: float = 1.0  # vllm: GiB of processed images/videos it keeps per rank, host memory (its default: 4)
-    sleep_level: int = -1  # vllm on CUDA: 1 = weights to host, 2 = discard, 0 = never; -1 = rollout.sleep_level_for
+    sleep_level: int = -1  # vllm on CUDA: 1 = weights to host, 2 = discard, 0 = never; -1 = vllm_engine.sleep_level_for
     max_num_seqs: int = 256  # most sequences decoded together: per vllm engine, per generate call of the hf engine
     max_images_per_prompt: int = -1  # vllm reserves encoder memory for this many images a prompt; -1 = the data's most
     max_videos_per_prompt: int = -1  # ... and this many videos; -1 = the data's most (both read before vllm starts)

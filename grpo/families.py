@@ -33,7 +33,7 @@ class Family:
     # Layers with a recurrent state (Qwen3.5's gated delta net) would carry it from one packed sequence into the
     # next: their packed forward restarts it per sequence (linear_attention.py).
     linear_attention: bool = False
-    # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see rollout.VLLMEngine):
+    # vLLM options the family needs on CPU, where the engine runs without chunked prefill (see vllm_engine.VLLMEngine):
     # vLLM caches Qwen3.5's recurrent state for prefix caching only with chunked prefill ("Chunked prefill is
     # required for mamba cache mode 'align'"), so there its prefix caching is off.
     vllm_cpu_kwargs: dict = field(default_factory=dict)

@@ -329,7 +329,7 @@ def add_vision_dummy(model):
     dummy runs at all when every rank has images. The price is one small tower pass (and its all-gather) per
     text-only forward. Decode steps never run the tower (generate drops the pixels after the prefill), and a prefill
     whose images generate encoded beforehand (`mm_encoder_outputs` given, even empty) is left to the caller:
-    rollout.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
+    hf_engine.HFEngine runs vision_dummy itself before such a generate call, where generate would run the tower."""
     pending, passes = [], []
 
     def before(module, args, kwargs):

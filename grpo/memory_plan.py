@@ -726,7 +726,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
     memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
-    from rollout import sleep_level_for
+    from grpo.vllm_engine import sleep_level_for
 
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
     shape = read_model_shape(a.model_path)

@@ -148,7 +148,17 @@ class TrainerOffload:
     is one round trip of the moments per optimizer step (geo3k: 4 a step), counted in time/train; time/offload and
     time/onload are the moves at the rollout's boundaries."""
 
-    def __init__(self, model, ref_model, optimizer, actor):
+    def __init__(self):
+        # Made before the models load, to be handed to the engine (rollout.make_engine), which starts first: until
+        # `hold` it holds nothing, and offload and onload do nothing.
+        self.models, self.optimizer, self.arenas, self.moments = [], None, [], None
+        self.host = torch.device("cpu")
+        self.on_host = False  # a step's several generate calls (filtering rounds, validation batches) offload once
+        self.moments_on_host = False
+
+    def hold(self, model, ref_model, optimizer, actor) -> None:
+        """What it moves from now on (once the models and the optimizer exist): the policy, the reference and the
+        optimizer's moments, as actor.offload_params / offload_optimizer choose."""
         self.device = logprobs.compute_device(model)
         self.models = []
         if actor.offload_params:
@@ -158,12 +168,9 @@ class TrainerOffload:
             if ref_model is not None and ref_model is not model and not actor.ref_offload:
                 self.models.append(ref_model)
         self.optimizer = optimizer if actor.offload_optimizer else None
-        self.host = torch.device("cpu")
         pin = self.device.type == "cuda"
         self.arenas = [HostArena(pin) for _ in self.models]  # one per model: the policy's and the reference's
         self.moments = HostArena(pin)
-        self.on_host = False  # a step's several generate calls (filtering rounds, validation batches) offload once
-        self.moments_on_host = False
         if self.optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self._moments_to(_local_device))
             optimizer.register_step_post_hook(lambda *_: self._moments_to(lambda p: self.host))

@@ -35,9 +35,9 @@ from typing import NamedTuple
 
 import torch.distributed as dist
 
-import rollout
 from grpo import tools, turns
 from grpo.distributed import max_over_ranks, mean_over_ranks
+from grpo.samples import Continuation, Prompt, Sample, encode_prompt
 
 
 @dataclass
@@ -49,9 +49,9 @@ class Answer:
     truncated: bool = False
     turns: list = field(default_factory=list)  # turns.ToolTurn inside `ids`, with tools: context, log-prob 0
 
-    def sample(self, group: int, **more) -> rollout.Sample:
+    def sample(self, group: int, **more) -> Sample:
         """The answer so far as the trainer and the tool loop read it (its text is left empty)."""
-        return rollout.Sample(group, self.ids, self.logprobs, "", self.truncated, turns=self.turns, **more)
+        return Sample(group, self.ids, self.logprobs, "", self.truncated, turns=self.turns, **more)
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Group:
     index: int  # the prompt's row in the train set (what a checkpoint stores)
     answers: list[Answer]
     example: object = None  # the row and its encoded prompt, rebuilt from `index` after a resume
-    prompt: rollout.Prompt | None = None
+    prompt: Prompt | None = None
 
     @property
     def done(self) -> bool:
@@ -88,7 +88,8 @@ def config_problem(cfg) -> str | None:
 
 
 class Carry:
-    """This rank's answers in flight between steps."""
+    """This rank's answers in flight between steps, held by the engine (`engine.carry`, rollout.make_engine), where
+    draw_and_generate and the checkpoint's rank files find them."""
 
     def __init__(self, cfg):
         r = cfg.rollout
@@ -127,25 +128,12 @@ class Carry:
             self.groups.append(Group(g["index"], [a or Answer() for a in answers]))
 
 
-def with_carry(engine, cfg):
-    """The engine, holding this rank's answers in flight when rollout.partial is on (draw_and_generate, the
-    checkpoint's rank files)."""
-    if cfg.rollout.partial:
-        engine.carry = Carry(cfg)
-    return engine
-
-
 def draw_and_generate(engine, sampler, train_set, processor, epoch, position, need, n, params, seed, step, have=0):
-    """Groups of n answers: (examples, prompts, samples prompt-major), epoch, position. Without partial, the next
-    `need` prompts of the shard, generated to the end; with it (engine.carry, see the module docstring), the `need -
-    have` groups the step still lacks (`have`: those that dynamic sampling's earlier rounds of the step kept), and
-    complete groups past them stay in flight for the next round or step."""
-    carry = getattr(engine, "carry", None)
-    if carry is None:
-        indices, epoch, position = sampler.next_indices(epoch, position, need)
-        batch = [train_set[i] for i in indices]
-        prompts = [rollout.encode_prompt(processor, ex) for ex in batch]
-        return batch, prompts, engine.generate(prompts, n, params, seed=seed), epoch, position
+    """Groups of n answers with the engine's carry (engine.carry, see the module docstring): (examples, prompts,
+    samples prompt-major, this call's rollout/partial_* and tool/* counts), epoch, position. The `need - have` groups
+    the step still lacks (`have`: those that dynamic sampling's earlier rounds of the step kept); complete groups past
+    them stay in flight for the next round or step."""
+    carry = engine.carry
     stats = {"rollout/partial_dropped": float(carry.restarted), "rollout/partial_generated": 0.0}
     carry.restarted = 0
     for g in carry.groups:
@@ -160,7 +148,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     for g in carry.groups:
         if g.prompt is None:  # drawn now, or restored from a checkpoint
             g.example = train_set[g.index]
-            g.prompt = rollout.encode_prompt(processor, g.example)
+            g.prompt = encode_prompt(processor, g.example)
     open_ = [(gi, a) for gi, g in enumerate(carry.groups) for a in g.answers if not a.done]
     # a group whose oldest token is at the bound finishes now: stopping it again would make that token too old
     pinned = [any(0 <= a.born <= step - carry.max_staleness for a in g.answers) for g in carry.groups]
@@ -207,8 +195,7 @@ def draw_and_generate(engine, sampler, train_set, processor, epoch, position, ne
     unfinished = float(sum(not a.done for g in carry.groups for a in g.answers))
     stats["rollout/partial_in_flight"] = unfinished - carry.unfinished  # this round's change (the rounds are summed)
     carry.unfinished = unfinished
-    engine.stats = stats
-    return [g.example for g in ready], [g.prompt for g in ready], samples, epoch, position
+    return [g.example for g in ready], [g.prompt for g in ready], samples, stats, epoch, position
 
 
 class _ToolMarks(NamedTuple):
@@ -219,16 +206,16 @@ class _ToolMarks(NamedTuple):
 
 
 def _request(engine, group: Group, a: Answer, gi: int, pinned: bool, marks: _ToolMarks | None):
-    """An open answer as the engine continues it (rollout.Continuation): from its tokens; with tool turns, from its
+    """An open answer as the engine continues it (samples.Continuation): from its tokens; with tool turns, from its
     conversation so far (turns.continuation: the turns' images with the prompt's). It pauses at a tool call while it
     may take a turn."""
     if marks is None:
-        return rollout.Continuation(group.prompt, a.ids, gi, pinned)
+        return Continuation(group.prompt, a.ids, gi, pinned)
     pause = (marks.call_end,) if len(a.turns) + 1 < engine.max_turns else ()
     if not a.turns:
-        return rollout.Continuation(group.prompt, a.ids, gi, pinned, pause)
+        return Continuation(group.prompt, a.ids, gi, pinned, pause)
     prompt = turns.continuation(group.prompt, a.sample(gi), engine.budget - len(a.ids), marks.image_pad)
-    return rollout.Continuation(prompt, [], gi, pinned, pause)
+    return Continuation(prompt, [], gi, pinned, pause)
 
 
 def _take_tool_turns(engine, processor, carry: Carry, open_, stats, call_end: int) -> int:

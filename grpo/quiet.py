@@ -37,7 +37,7 @@ LOGGED = [
      "torch looks for a CUDA toolkit to build extensions with when vLLM imports it; nothing is built on CPU"),
     ("vllm.engine.arg_utils", "The global random seed is set to",
      "vLLM seeds the process's global generators with the engine's seed; the data order and each request's "
-     "sampling have seeds of their own (data.ShardSampler, rollout.request_seed) and checkpoints keep RNG states"),
+     "sampling have seeds of their own (data.ShardSampler, vllm_engine.request_seed) and checkpoints keep RNG states"),
     ("vllm.engine.arg_utils", "does not officially support disabling chunked prefill",
      "rollout.py turns chunked prefill off on CPU on purpose (seeded requests crash vLLM 0.32's CPU runner when "
      "it rewinds them); every prompt is then scheduled whole, which is what any model supports"),

@@ -22,8 +22,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-import rollout
 from grpo import batching, logprobs, moe
+from grpo.samples import Prompt, SamplingParams, engine_prompt_ids
 
 
 def record(modules, pick) -> tuple[list[list[torch.Tensor]], list]:
@@ -49,17 +49,17 @@ def engine_logits(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def with_answer(prompt: rollout.Prompt, answer: list[int], image_token_id: int) -> rollout.Prompt:
+def with_answer(prompt: Prompt, answer: list[int], image_token_id: int) -> Prompt:
     """The prompt followed by its answer, as one prompt for the engine to read whole."""
     return replace(
         prompt, input_ids=torch.cat([prompt.input_ids, torch.as_tensor(answer, dtype=prompt.input_ids.dtype)]),
-        template_ids=rollout.engine_prompt_ids(prompt, image_token_id) + list(answer), max_tokens=None,
+        template_ids=engine_prompt_ids(prompt, image_token_id) + list(answer), max_tokens=None,
         token_types=None if prompt.token_types is None else torch.cat([prompt.token_types, torch.zeros(len(answer),
                                                                        dtype=prompt.token_types.dtype)]),
     )  # fmt: skip
 
 
-def engine_routing(engine, sequences: list[rollout.Prompt], top_k: int) -> list[torch.Tensor]:
+def engine_routing(engine, sequences: list[Prompt], top_k: int) -> list[torch.Tensor]:
     """The engine's chosen experts (L, layers, k) for every token of each sequence. One request a sequence, with the
     prefix cache emptied before it, so that every token goes through the layers (none comes from cached KV), and one
     new token (the prefill computes the whole sequence). The engine checks that it expanded the sequence into the
@@ -77,7 +77,7 @@ def engine_routing(engine, sequences: list[rollout.Prompt], top_k: int) -> list[
     if engine.tp_group is not None:
         counts, me = [None] * engine.tp, dist.get_rank(engine.tp_group)
         dist.all_gather_object(counts, len(sequences), group=engine.tp_group)
-    params = rollout.SamplingParams(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
     out = []
     try:
         for member, count in enumerate(counts):
@@ -131,7 +131,7 @@ def disagreement(engine_rows, trainer_rows, types, answer_lens) -> dict:
 
 
 def agreement(engine, model, prompts, samples, pad_id: int) -> dict:
-    """disagreement() of the engine's and the trainer's routing over `samples` (rollout.Sample, each of
+    """disagreement() of the engine's and the trainer's routing over `samples` (samples.Sample, each of
     prompts[sample.prompt_index]). Collective: every rank of the trainer and of the engine's TP group calls it."""
     chosen = [prompts[s.prompt_index] for s in samples]
     answers = [list(s.response_ids) for s in samples]

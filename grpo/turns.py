@@ -1,8 +1,8 @@
 """Multi-turn rollouts with tools: the model writes, calls a tool, reads what comes back (text, images), writes on.
 
-    engine = turns.with_tools(rollout.make_engine(cfg, processor), cfg, processor)  # a plain engine without tools
-    samples = engine.generate(prompts, n, params, seed)                             # the engine interface, unchanged
-    engine.stats                                                                    # the last call's tool counts
+    engine = rollout.make_engine(cfg, processor)         # with rollout.tools: a ToolEngine around the engine
+    samples = engine.generate(prompts, n, params, seed)  # the engine interface, unchanged
+    engine.stats                                         # the last call's tool counts
 
 An answer is [model tokens | tool turn | model tokens | ...], held in one Sample: `response_ids` all of it,
 `logprobs` the engine's for the model's tokens and 0 for the tool turns', `turns` the ToolTurns (where each starts,
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from grpo import tools
 from grpo.distributed import mean_over_ranks
-from rollout import Prompt, Sample, engine_prompt_ids
+from grpo.samples import Prompt, Sample, engine_prompt_ids
 
 # The tool turn around a result, Qwen's way: the model's turn ends after its call, the result comes back in a user
 # turn inside <tool_response>, then the next assistant turn opens.
@@ -201,7 +201,8 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
 
 
 class ToolEngine:
-    """An engine whose `generate` runs the tool loop; everything else is the wrapped engine's."""
+    """An engine whose `generate` runs the tool loop; everything else is the wrapped engine's (rollout.make_engine
+    wraps the engine in it when rollout.tools names any)."""
 
     def __init__(self, engine, cfg, processor):
         r, d = cfg.rollout, cfg.data
@@ -212,12 +213,6 @@ class ToolEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
-
-    def __setattr__(self, name, value):
-        if name == "offload":  # the trainer sets it on the engine it holds: it belongs to the wrapped one
-            setattr(self.engine, name, value)
-        else:
-            super().__setattr__(name, value)
 
     def generate(self, prompts, n, params, seed):
         samples, self.stats = generate_with_tools(self.engine, self.processor, self.pool, prompts, n, params, seed,
@@ -236,11 +231,6 @@ def step_metrics(filter_stats: dict, samples) -> dict:
     counts["tool/call_share"] = float(sum(bool(s.turns) for s in samples))
     world = dist.get_world_size()
     return mean_over_ranks(counts, {**dict.fromkeys(counts, 1.0 / world), "tool/call_share": len(samples)})
-
-
-def with_tools(engine, cfg, processor):
-    """The engine, wrapped in the tool loop when rollout.tools names any."""
-    return ToolEngine(engine, cfg, processor) if cfg.rollout.tools else engine
 
 
 def offer_tools(rollout_cfg, processor, system_prompt: str | None) -> dict:

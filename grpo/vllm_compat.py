@@ -1,6 +1,6 @@
 """What differs between the vLLM releases the engine code runs on (0.26 to 0.33), each decided here once.
 
-rollout.VLLMEngine is written against 0.32/0.33; these few helpers make it mean the same on 0.26 (the last release
+vllm_engine.VLLMEngine is written against 0.32/0.33; these few helpers make it mean the same on 0.26 (the last release
 built for torch 2.11). Every choice comes from what the installed vLLM has (a field, an attribute, a parameter, an
 importable package), not from its version string, so a patched or back-ported build still gets the right branch.
 """

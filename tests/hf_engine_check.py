@@ -51,8 +51,10 @@ def tiny_policy(model_dir, processor):
 
 
 def hf_engine(processor, max_num_seqs):
+    from grpo.hf_engine import HFEngine
+
     cfg = train_grpo.load_config(None, [f"rollout.max_num_seqs={max_num_seqs}"])
-    return rollout.HFEngine(cfg, processor)
+    return HFEngine(cfg, processor)
 
 
 def count_generate_calls(model):

@@ -164,6 +164,8 @@ def test_non_default_options_run_end_to_end(name, tiny_model_dir, tmp_path):
 class _FakeEngine:
     """Answers each prompt with n copies of its own problem text, so the fake scorer controls every group's score."""
 
+    carry, stats = None, {}  # no partial rollouts, no tool counts
+
     def generate(self, prompts, n, params, seed):
         from rollout import Sample
 

@@ -9,6 +9,7 @@ import torch
 
 import rollout
 from grpo import batching, logprobs
+from grpo.hf_engine import chunk_seed
 from tests.hf_engine_check import count_generate_calls, hf_engine, image_prompts, tiny_policy
 from tests.launch import torchrun
 
@@ -130,7 +131,7 @@ def test_chunks_are_bounded_ordered_and_reproducible(tiny_model_dir, tiny_proces
     one_per_call.sync_weights(model)
     answers = [tuple(s.response_ids) for s in one_per_call.generate(prompts[:1], 4, sampled, seed=3)]
     assert len(set(answers)) > 1, answers
-    assert rollout.chunk_seed(3, 0) == 3 and len({rollout.chunk_seed(3, k) for k in range(4)}) == 4
+    assert chunk_seed(3, 0) == 3 and len({chunk_seed(3, k) for k in range(4)}) == 4
 
     with pytest.raises(ValueError, match="max_num_seqs"):
         hf_engine(tiny_processor, max_num_seqs=0)

@@ -596,7 +596,7 @@ def test_sleep_level_is_the_cheapest_correct_one_per_mode_and_the_plan_follows_i
     sleep, restored at each wake, then overwritten: 8 ranks x 14.4 GiB for 7B at TP 2), and a level 2 where it does
     not (LoRA resends only the adapted modules: the base's other weights would be gone). rollout.sleep_level still
     overrides, and the plan counts the level the run uses."""
-    from rollout import sleep_level_for
+    from grpo.vllm_engine import sleep_level_for
 
     assert [sleep_level_for(-1, 0), sleep_level_for(-1, 8)] == [2, 1]
     assert [sleep_level_for(level, rank) for level in (0, 1, 2) for rank in (0, 8)] == [0, 0, 1, 1, 2, 2]

@@ -59,7 +59,8 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
     moments = _moments(optimizer)
     assert moments and all(p.dtype == dtype for p in model.parameters())
 
-    mover = offload.TrainerOffload(model, ref, optimizer, actor)
+    mover = offload.TrainerOffload()
+    mover.hold(model, ref, optimizer, actor)
     timings = {}
     mover.offload(timings)
     mover.offload(timings)  # a second generate call of the same rollout: nothing more moves

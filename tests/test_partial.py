@@ -23,8 +23,8 @@ def target_length(row: int, answer: int) -> int:
 
 
 def quota_met(requests, ended, quota) -> bool:
-    """The engine's stop (rollout.VLLMEngine.generate_until): `quota` groups with every answer ended (a paused one has
-    not) and no pinned answer open. ended(k) says whether requests[k]'s answer has."""
+    """The engine's stop (vllm_engine.VLLMEngine.generate_until): `quota` groups with every answer ended (a paused one
+    has not) and no pinned answer open. ended(k) says whether requests[k]'s answer has."""
     complete = sum(all(ended(k) for k, r in enumerate(requests) if r.group == g) for g in {r.group for r in requests})
     return complete >= quota and all(ended(k) for k, r in enumerate(requests) if r.pinned)
 
@@ -53,7 +53,8 @@ class ScriptedEngine:
 
 
 def setup(monkeypatch, rows=24, **overrides):
-    """A scripted engine carrying answers, its data and a function running one step of draw_and_generate."""
+    """A scripted engine carrying answers, its data and a function running one step of draw_and_generate (returning
+    the step's examples, samples and counts)."""
     cfg = load_config(None, ["rollout.partial=true", "rollout.engine=vllm", "algorithm.rollout_is=token",
                              f"rollout.n={N}", *[f"{k}={v}" for k, v in overrides.items()]])  # fmt: skip
     engine = ScriptedEngine()
@@ -63,24 +64,24 @@ def setup(monkeypatch, rows=24, **overrides):
     def encode(processor, example):
         return SimpleNamespace(row=example, answer_of=answer_of)
 
-    monkeypatch.setattr(rollout, "encode_prompt", encode)
+    monkeypatch.setattr(partial, "encode_prompt", encode)
 
     def continuation(prompt, prefix, group, pinned=False, pause_ids=()):
         group_answers = engine.carry.groups[group].answers
         answer_of[id(prefix)] = next(j for j, a in enumerate(group_answers) if a.ids is prefix)
         return CONTINUATION(prompt, prefix, group, pinned, pause_ids)
 
-    monkeypatch.setattr(rollout, "Continuation", continuation)
+    monkeypatch.setattr(partial, "Continuation", continuation)
     processor = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: ""))
     sampler = ShardSampler(rows, 0, 1, shuffle=False)
     state = {"epoch": 0, "position": 0}
 
     def step(s, need=2, have=0):
         engine.step = s
-        examples, prompts, samples, state["epoch"], state["position"] = partial.draw_and_generate(
+        examples, prompts, samples, stats, state["epoch"], state["position"] = partial.draw_and_generate(
             engine, sampler, list(range(rows)), processor, state["epoch"], state["position"], need, N, None, 0, s, have
         )
-        return examples, samples
+        return examples, samples, stats
 
     return engine, step
 
@@ -92,7 +93,7 @@ def test_carried_answers_continue_from_their_tokens_with_the_logprobs_they_were_
     engine, step = setup(monkeypatch)
     trained, carried_tokens = [], 0
     for s in range(1, 7):
-        examples, samples = step(s)
+        examples, samples, _ = step(s)
         carried_tokens += check_continued(s, examples, samples)
         trained += examples
     assert carried_tokens > 0  # the script makes answers wait: the check above saw carried tokens
@@ -124,8 +125,8 @@ def test_dynamic_samplings_rounds_of_one_step_carry_only_earlier_steps_tokens(mo
         stats = {}
         continued.append(sum(bool(a.ids) for g in engine.carry.groups for a in g.answers if not a.done))
         for _ in range(2):  # the first round's groups all filtered out: a second round of the same step
-            examples, samples = step(s)
-            stats = {k: stats.get(k, 0.0) + v for k, v in engine.stats.items()}  # as collect_rollouts sums them
+            examples, samples, counts = step(s)
+            stats = {k: stats.get(k, 0.0) + v for k, v in counts.items()}  # as collect_rollouts sums them
             check_continued(s, examples, samples)
         in_flight = [a for g in engine.carry.groups for a in g.answers if not a.done]
         assert stats["rollout/partial_in_flight"] == len(in_flight) and stats["rollout/partial_dropped"] == 0
@@ -144,7 +145,7 @@ def test_dynamic_samplings_later_round_takes_only_the_groups_still_missing(monke
         have = []
         rounds.append(0)
         while len(have) < need and rounds[-1] < 8:
-            examples, samples = step(s, need, have=len(have))
+            examples, samples, _ = step(s, need, have=len(have))
             assert len(examples) == need - len(have) and len(samples) == N * len(examples)
             for row in examples:
                 (have if row % 2 else filtered).append(row)
@@ -152,7 +153,7 @@ def test_dynamic_samplings_later_round_takes_only_the_groups_still_missing(monke
         assert len(have) == need
         trained += have
         # a rank already full takes the rounds another rank still needs: it takes no group, and loses none
-        assert step(s, need, have=need) == ([], [])
+        assert step(s, need, have=need)[:2] == ([], [])
         kept += sum(g.done for g in engine.carry.groups)
     assert max(rounds) > 1 and kept > 0  # the filter made steps take more rounds, complete groups stayed in flight
     waiting = [g.index for g in engine.carry.groups]
@@ -164,7 +165,7 @@ def test_no_token_waits_longer_than_max_staleness(monkeypatch):
     answer begun at the last step is not stopped again."""
     _, step = setup(monkeypatch, **{"rollout.max_staleness": 1, "rollout.partial_reserve": 2.0})
     for s in range(1, 8):
-        _, samples = step(s)
+        _, samples, _ = step(s)
         assert all(smp.staleness <= 1 for smp in samples)
 
 
@@ -188,14 +189,13 @@ def test_answers_in_flight_survive_a_checkpoint(monkeypatch):
     engine2.carry = partial.Carry(load_config(None, ["rollout.partial=true", f"rollout.n={N}"]))
     engine2.carry.load_state_dict(state)
     resumed = [step2(s) for s in range(3, 6)]
-    for (ex_a, sm_a), (ex_b, sm_b) in zip(went_on, resumed):
+    for (ex_a, sm_a, _), (ex_b, sm_b, _) in zip(went_on, resumed):
         assert ex_a == ex_b
         assert [(x.response_ids, x.logprobs, x.carried) for x in sm_a] == [
             (x.response_ids, x.logprobs, x.carried) for x in sm_b
         ]
     engine2.carry.max_staleness = 1
-    step2(9)
-    assert engine2.stats["rollout/partial_dropped"] > 0
+    assert step2(9)[2]["rollout/partial_dropped"] > 0
 
 
 @pytest.mark.parametrize("setting", ["rollout.n", "data.max_response_length"])
@@ -219,8 +219,7 @@ def test_a_resume_starts_over_the_answers_it_cannot_continue(monkeypatch, settin
     restarted = sum(bool(a["ids"]) for g in state["groups"] for a in g["answers"]) - sum(bool(b) for _, b in kept)
     assert carry.restarted == restarted > 0
     engine.carry = carry
-    step(3)
-    assert engine.stats["rollout/partial_dropped"] == restarted  # counted once, at the step after the resume
+    assert step(3)[2]["rollout/partial_dropped"] == restarted  # counted once, at the step after the resume
 
 
 @pytest.mark.parametrize(
@@ -328,7 +327,7 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
         "input_ids"] for j in range(N)]  # fmt: skip
     stop = calls[0][-1]
     turn = turns.encode_turn(processor, tools.ToolResult("42"), 0, ToolScript.BOUNDS).input_ids.tolist()
-    monkeypatch.setattr(rollout, "encode_prompt", lambda processor, example: rollout.Prompt(
+    monkeypatch.setattr(partial, "encode_prompt", lambda processor, example: rollout.Prompt(
         torch.arange(10, 10 + PROMPT_LEN), None, None, []))  # fmt: skip
     tag = partial._request
 
@@ -354,9 +353,9 @@ def test_a_stop_inside_a_tool_using_answer_continues_it_after_its_turn(tiny_tool
             out = []
             for s in steps:
                 engine.step = s
-                examples, _, samples, _, position = partial.draw_and_generate(
+                examples, _, samples, stats, _, position = partial.draw_and_generate(
                     engine, sampler, list(range(24)), processor, 0, position, 2, N, None, 0, s)  # fmt: skip
-                out.append((s, examples, samples, engine.stats, position))
+                out.append((s, examples, samples, stats, position))
                 # an answer that paused at its call has had its tool turn, even when the quota was met then
                 assert not any(a.ids[-1:] == [stop] and not a.done for g in engine.carry.groups for a in g.answers)
             return engine, out

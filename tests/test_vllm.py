@@ -30,7 +30,7 @@ def test_collapsed_prompt_is_the_chat_template_prompt(tiny_processor):
     """Guards against sending vLLM processor-expanded image pads, which it expands again (a corrupted prompt)."""
     from PIL import Image
 
-    import rollout
+    from grpo.samples import collapse_image_pads
 
     text = tiny_processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}, {"type": "image"}]}],
@@ -40,7 +40,7 @@ def test_collapsed_prompt_is_the_chat_template_prompt(tiny_processor):
     expanded = tiny_processor(text=[text], images=images)["input_ids"][0]
     pad = tiny_processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert expanded.count(pad) > 2  # really expanded
-    assert rollout.collapse_image_pads(expanded, pad) == tiny_processor.tokenizer(text)["input_ids"]
+    assert collapse_image_pads(expanded, pad) == tiny_processor.tokenizer(text)["input_ids"]
 
 
 def test_synced_engine_logprobs_equal_the_trainers(tp1):

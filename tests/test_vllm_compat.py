@@ -99,8 +99,9 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
     import torch
     import torch.distributed as dist
 
-    import rollout
     from grpo import distributed
+    from grpo.hf_engine import HFEngine
+    from grpo.vllm_engine import VLLMEngine
 
     events, group = [], {"up": True}
 
@@ -148,9 +149,9 @@ def test_engine_is_shut_down_before_the_process_group(monkeypatch, client, engin
     monkeypatch.setattr(dist, "destroy_process_group", destroy_process_group)
     offload = type("Offload", (), {"offload": lambda self, timings: events.append("trainer state to host")})()
     if engine_kind == "hf":
-        engine = object.__new__(rollout.HFEngine)
+        engine = object.__new__(HFEngine)
     else:
-        engine = object.__new__(rollout.VLLMEngine)
+        engine = object.__new__(VLLMEngine)
         engine.llm, engine.offload, engine.timings = LLM(), offload, dict.fromkeys(["time/wake"], 0.0)
         engine.asleep = {"weights", "kv_cache"} if engine_kind == "vllm asleep" else set()
         vllm_compat.skip_engine_teardown(engine.llm)  # as the engine does at start
@@ -213,8 +214,8 @@ def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_
     import torch.distributed as dist
     import vllm
 
-    import rollout
     import train_grpo
+    from grpo.vllm_engine import VLLMEngine
 
     class Built(Exception):
         pass
@@ -237,7 +238,7 @@ def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_
     from transformers import AutoProcessor
 
     with pytest.raises(Built) as built:
-        rollout.VLLMEngine(cfg, AutoProcessor.from_pretrained(tiny_model_dir))
+        VLLMEngine(cfg, AutoProcessor.from_pretrained(tiny_model_dir))
     v2 = user == "1"  # the user's choice, else V1 in every version and family
     assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
 

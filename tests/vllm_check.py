@@ -132,9 +132,11 @@ def check_grouped_stop(engine, prompt, result):
     i-th of n s + i), stepped alike and stopped after a few tokens, some finished by a stop token and some not:
     vllm_compat.stop_requests must give each answer the same tokens, log-probs and finish reason either way."""
     from grpo import vllm_compat
+    from grpo.samples import engine_prompt_ids
+    from grpo.vllm_engine import sampled_logprobs
 
     params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16, stop_token_ids=tuple(range(0, 256, 5)))
-    request = engine._request(rollout.engine_prompt_ids(prompt, engine.image_token_id), prompt.images, [])
+    request = engine._request(engine_prompt_ids(prompt, engine.image_token_id), prompt.images, [])
     for name, n in (("grouped", 4), ("alone", 1)):
         engine.llm.reset_prefix_cache()  # both compute the prompt alike
         sampling = [engine._sampling(params, n, 16, 777 + i) for i in range(4 // n)]
@@ -144,7 +146,7 @@ def check_grouped_stop(engine, prompt, result):
         answers = [None] * 4
         for out in outputs + vllm_compat.stop_requests(engine.llm, internal):
             for c in out.outputs:
-                answers[answer[out.request_id] + c.index] = [list(c.token_ids), rollout.sampled_logprobs(c),
+                answers[answer[out.request_id] + c.index] = [list(c.token_ids), sampled_logprobs(c),
                                                              c.finish_reason]  # fmt: skip
         result[f"stopped_{name}"] = answers
     result["left_running"] = engine.llm.llm_engine.has_unfinished_requests()
@@ -207,6 +209,8 @@ def main():
     with_lora = sys.argv[4:] == ["lora"]
     rank, world, device = distributed.setup_distributed()
     from transformers import AutoProcessor
+
+    from grpo.samples import vision_token_ids
 
     processor = AutoProcessor.from_pretrained(model_dir)
     set_pixel_range(processor, MIN_PIXELS, MAX_PIXELS)
@@ -303,7 +307,7 @@ def main():
     ]
 
     # Vision tokens: ~1.2% of this random model's vocabulary, so 8 x 32 x 16 tokens would hold dozens of them.
-    vision_ids = set(rollout.vision_token_ids(processor.tokenizer))
+    vision_ids = set(vision_token_ids(processor.tokenizer))
     many = text + image + videos
     result["vision_tokens"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
     bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
