@@ -45,7 +45,6 @@ video.py made as they are.
 
 import dataclasses
 import json
-import math
 import os
 import random
 import re
@@ -58,16 +57,19 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from grpo.distributed import Stop
-from grpo.media import file_source, image_source, open_image, to_rgb
+from grpo.media import (
+    file_source,
+    fit_image,
+    image_side,
+    image_source,
+    image_token_count,
+    open_image,
+    set_pixel_range,
+)
 from grpo.video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 IMAGE_MARK = "<image>"
-# The vision tower needs each side >= one merged token's side (patch x merge: 14 x 2 = 28 px for Qwen2.5-VL, the
-# default here; 16 x 2 = 32 px for Qwen3-VL and Qwen3.5, see image_side) and rejects aspect ratios >= 200.
-# We pad to ratio 100, well inside the limit, so rounding in our resize and in the processor cannot cross it.
-MIN_SIDE = 28
-MAX_ASPECT_RATIO = 100
 WARNINGS_PER_FILE = 10  # a wrong key name makes every row bad: say so ten times, then count the rest
 DEFAULT_KEYS = {"image_key": "images", "video_key": "videos"}  # absent in text-only data: no error
 
@@ -142,68 +144,6 @@ def load_rows(spec: str) -> tuple[list[dict], str]:
 # ----------------------------------------------------------------------------------------------------------------
 # Images
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def fitted_size(
-    width: int, height: int, min_pixels: int, max_pixels: int, min_side: int = MIN_SIDE
-) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(image size, canvas size) that a width x height image becomes in `fit_image`.
-
-    The canvas is the image padded (right/bottom, white) to an aspect ratio Qwen accepts, then scaled by
-    sqrt(budget / area) when its area is outside [min_pixels, max_pixels], then padded to sides >= min_side (the
-    model's image_side).
-    Images of ordinary shape are only scaled: canvas == image.
-    Rounding goes down when shrinking and up when growing, so the area lands inside the budget.
-    """
-    # An area >= min_pixels at ratio <= min_pixels / min_side² has sides >= min_side, so the last padding step
-    # only fires for budgets below min_side² (where it may overshoot max_pixels by a few rows).
-    max_ratio = max(1.0, min(MAX_ASPECT_RATIO, min_pixels / min_side**2))
-    canvas_w = max(width, math.ceil(height / max_ratio))
-    canvas_h = max(height, math.ceil(width / max_ratio))
-    area = canvas_w * canvas_h
-    if area > max_pixels:
-        scale, rnd = math.sqrt(max_pixels / area), math.floor
-    elif area < min_pixels:
-        scale, rnd = math.sqrt(min_pixels / area), math.ceil
-    else:
-        scale, rnd = 1.0, round
-    image = (max(1, rnd(width * scale)), max(1, rnd(height * scale)))
-    canvas = (max(min_side, image[0], rnd(canvas_w * scale)), max(min_side, image[1], rnd(canvas_h * scale)))
-    return image, canvas
-
-
-def fit_image(img: Image.Image, min_pixels: int, max_pixels: int, min_side: int = MIN_SIDE) -> Image.Image:
-    """RGB, scaled into the pixel budget, padded only when Qwen would reject the shape (see `fitted_size`)."""
-    img = to_rgb(img)
-    size, canvas_size = fitted_size(*img.size, min_pixels, max_pixels, min_side)
-    if size != img.size:
-        img = img.resize(size, Image.Resampling.BICUBIC)
-    if canvas_size != size:
-        canvas = Image.new("RGB", canvas_size, "white")
-        canvas.paste(img, (0, 0))
-        img = canvas
-    return img
-
-
-def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
-    """Make the processor resize images with the same budget as the dataset (and as vLLM must)."""
-    size_type = type(processor.image_processor.size)  # transformers' SizeDict; built like this to skip a slow import
-    processor.image_processor.size = size_type(shortest_edge=min_pixels, longest_edge=max_pixels)
-
-
-def image_side(image_processor) -> int:
-    """Side in pixels of one merged image token, patch x merge: 28 for Qwen2.5-VL (14 x 2), 32 for Qwen3-VL and
-    Qwen3.5 (16 x 2). Taken from the checkpoint's own processor, which resizes every side to a multiple of it and
-    cannot make a side shorter than it."""
-    return image_processor.patch_size * image_processor.merge_size
-
-
-def image_token_count(image_processor, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-    """Tokens the processor expands one `<|image_pad|>` into for an image fitted from width x height."""
-    _, (w, h) = fitted_size(width, height, min_pixels, max_pixels, image_side(image_processor))
-    budget = {"min_pixels": min_pixels, "max_pixels": max_pixels}
-    patches = image_processor.get_number_of_image_patches(h, w, budget)
-    return patches // image_processor.merge_size**2
 
 
 def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_pixels: int, video_tokens=None):

@@ -551,7 +551,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, model_path: str | None = No
     adapters only: then the base model is read, and the export is it with the adapters merged.)"""
     from transformers import AutoProcessor
 
-    from data import set_pixel_range
+    from grpo.media import set_pixel_range
     from grpo.video import set_video_range
 
     if not is_complete_checkpoint(checkpoint):

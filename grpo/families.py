@@ -99,7 +99,7 @@ def processor_problem(path: str, want: int) -> str | None:
     would make image tokens that the vision tower cannot produce."""
     from transformers import AutoImageProcessor
 
-    from data import image_side
+    from grpo.media import image_side
 
     side = image_side(AutoImageProcessor.from_pretrained(path))
     if side != want:

@@ -1,11 +1,13 @@
-"""Reading a row's images and video files: the decoding both data paths share (data.py's images, video.py's frames
-and files), below both so neither imports the other.
+"""Reading a row's images and video files and sizing images for the model: the decoding both data paths share
+(data.py's images, video.py's frames and files) and the pixel budget the trainer, vLLM and tool turns all apply,
+below every one of them so none imports another.
 
     src = image_source(row_value, base_dir)   # bytes, a path resolved against the data file's directory, or PIL
     img = to_rgb(open_image(src))             # fully decoded, RGB on white
 """
 
 import io
+import math
 import os
 
 from PIL import Image
@@ -48,3 +50,72 @@ def to_rgb(img: Image.Image) -> Image.Image:
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", img.size, "white"), rgba).convert("RGB")
     return img.convert("RGB")
+
+
+# The vision tower needs each side >= one merged token's side (patch x merge: 14 x 2 = 28 px for Qwen2.5-VL, the
+# default here; 16 x 2 = 32 px for Qwen3-VL and Qwen3.5, see image_side) and rejects aspect ratios >= 200.
+# We pad to ratio 100, well inside the limit, so rounding in our resize and in the processor cannot cross it.
+MIN_SIDE = 28
+MAX_ASPECT_RATIO = 100
+
+
+def fitted_size(
+    width: int, height: int, min_pixels: int, max_pixels: int, min_side: int = MIN_SIDE
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(image size, canvas size) that a width x height image becomes in `fit_image`.
+
+    The canvas is the image padded (right/bottom, white) to an aspect ratio Qwen accepts, then scaled by
+    sqrt(budget / area) when its area is outside [min_pixels, max_pixels], then padded to sides >= min_side (the
+    model's image_side).
+    Images of ordinary shape are only scaled: canvas == image.
+    Rounding goes down when shrinking and up when growing, so the area lands inside the budget.
+    """
+    # An area >= min_pixels at ratio <= min_pixels / min_side² has sides >= min_side, so the last padding step
+    # only fires for budgets below min_side² (where it may overshoot max_pixels by a few rows).
+    max_ratio = max(1.0, min(MAX_ASPECT_RATIO, min_pixels / min_side**2))
+    canvas_w = max(width, math.ceil(height / max_ratio))
+    canvas_h = max(height, math.ceil(width / max_ratio))
+    area = canvas_w * canvas_h
+    if area > max_pixels:
+        scale, rnd = math.sqrt(max_pixels / area), math.floor
+    elif area < min_pixels:
+        scale, rnd = math.sqrt(min_pixels / area), math.ceil
+    else:
+        scale, rnd = 1.0, round
+    image = (max(1, rnd(width * scale)), max(1, rnd(height * scale)))
+    canvas = (max(min_side, image[0], rnd(canvas_w * scale)), max(min_side, image[1], rnd(canvas_h * scale)))
+    return image, canvas
+
+
+def fit_image(img: Image.Image, min_pixels: int, max_pixels: int, min_side: int = MIN_SIDE) -> Image.Image:
+    """RGB, scaled into the pixel budget, padded only when Qwen would reject the shape (see `fitted_size`)."""
+    img = to_rgb(img)
+    size, canvas_size = fitted_size(*img.size, min_pixels, max_pixels, min_side)
+    if size != img.size:
+        img = img.resize(size, Image.Resampling.BICUBIC)
+    if canvas_size != size:
+        canvas = Image.new("RGB", canvas_size, "white")
+        canvas.paste(img, (0, 0))
+        img = canvas
+    return img
+
+
+def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
+    """Make the processor resize images with the same budget as the dataset (and as vLLM must)."""
+    size_type = type(processor.image_processor.size)  # transformers' SizeDict; built like this to skip a slow import
+    processor.image_processor.size = size_type(shortest_edge=min_pixels, longest_edge=max_pixels)
+
+
+def image_side(image_processor) -> int:
+    """Side in pixels of one merged image token, patch x merge: 28 for Qwen2.5-VL (14 x 2), 32 for Qwen3-VL and
+    Qwen3.5 (16 x 2). Taken from the checkpoint's own processor, which resizes every side to a multiple of it and
+    cannot make a side shorter than it."""
+    return image_processor.patch_size * image_processor.merge_size
+
+
+def image_token_count(image_processor, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+    """Tokens the processor expands one `<|image_pad|>` into for an image fitted from width x height."""
+    _, (w, h) = fitted_size(width, height, min_pixels, max_pixels, image_side(image_processor))
+    budget = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+    patches = image_processor.get_number_of_image_patches(h, w, budget)
+    return patches // image_processor.merge_size**2

@@ -72,9 +72,9 @@ def turn_from_state(state: dict) -> ToolTurn:
 
 
 def encode_turn(processor, result: tools.ToolResult, start: int, bounds: tuple[int, int]) -> ToolTurn:
-    """The tool turn of a result. Its images are fitted to the data's pixel budget (data.fit_image), so the
+    """The tool turn of a result. Its images are fitted to the data's pixel budget (media.fit_image), so the
     processor and vLLM turn each into the same number of tokens, as they do the prompt's."""
-    from data import fit_image, image_side  # (data.py's imports are the trainer's to make, when it reads data)
+    from grpo.media import fit_image, image_side
 
     side = image_side(processor.image_processor)
     images = [fit_image(img, *bounds, side) for img in result.images]

@@ -17,8 +17,9 @@ from PIL import Image
 
 import data
 import rollout
-from data import PromptDataset, ShardSampler, batches_per_epoch, fit_image, fitted_size, load_rows
-from grpo.media import to_rgb
+from data import PromptDataset, ShardSampler, batches_per_epoch, load_rows
+from grpo import media
+from grpo.media import fit_image, fitted_size, to_rgb
 from scripts.make_synthetic_data import main as synthetic_main
 from scripts.make_synthetic_data import make_geo3k_like
 
@@ -330,8 +331,8 @@ def test_fit_image_lands_in_budget_and_processor_accepts_it(size, processor):
     img = fit_image(Image.new("L", size, 128), min_pixels, max_pixels)
     w, h = img.size
     assert img.mode == "RGB" and (w, h) == fitted_size(*size, min_pixels, max_pixels)[1]
-    assert min_pixels <= w * h <= max_pixels and min(w, h) >= data.MIN_SIDE and max(w, h) / min(w, h) < 200
-    data.set_pixel_range(processor, min_pixels, max_pixels)
+    assert min_pixels <= w * h <= max_pixels and min(w, h) >= media.MIN_SIDE and max(w, h) / min(w, h) < 200
+    media.set_pixel_range(processor, min_pixels, max_pixels)
     grid = processor.image_processor(images=[img])["image_grid_thw"]
     assert grid.shape == (1, 3)
 

@@ -360,15 +360,15 @@ def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
     from PIL import Image
     from transformers import AutoProcessor
 
-    import data
+    from grpo import media
 
     processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
-    side = data.image_side(processor.image_processor)
+    side = media.image_side(processor.image_processor)
     assert side == families.FAMILIES[family].image_side == (28 if family == "qwen2_5_vl" else 32)
     min_pixels, max_pixels = 56 * 56, 112 * 112
-    data.set_pixel_range(processor, min_pixels, max_pixels)
-    img = data.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)
+    media.set_pixel_range(processor, min_pixels, max_pixels)
+    img = media.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)
     assert min(img.size) >= side and max(img.size) / min(img.size) < 200
     grid = processor.image_processor(images=[img])["image_grid_thw"][0]
-    counted = data.image_token_count(processor.image_processor, *size, min_pixels, max_pixels)
+    counted = media.image_token_count(processor.image_processor, *size, min_pixels, max_pixels)
     assert int(grid.prod()) // processor.image_processor.merge_size**2 == counted

@@ -60,9 +60,16 @@ def test_no_two_modules_import_each_other():
     assert [name for name, deps in graph.items() if "train_grpo" in deps] == []
 
 
+# The dry run checks the user's data, reward and engine limits through the files that define them: it stands above
+# them, and only the loop imports it.
+ABOVE_THE_MISSION = {"grpo.preflight"}
+
+
 def test_the_package_imports_no_top_level_file():
     """Guards against the machinery reaching up into the files a reader opens first (a cycle waiting to happen, and
     a package that cannot be read without them)."""
     graph = module_imports()
     top = {name for name in graph if not name.startswith("grpo.")}
-    assert {name: sorted(deps & top) for name, deps in graph.items() if name.startswith("grpo.") and deps & top} == {}
+    up = {name: sorted(deps & top) for name, deps in graph.items() if name.startswith("grpo.") and deps & top}
+    assert {name: deps for name, deps in up.items() if name not in ABOVE_THE_MISSION} == {}
+    assert [name for name, deps in graph.items() if deps & ABOVE_THE_MISSION] == ["train_grpo"]

@@ -25,8 +25,8 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from data import set_pixel_range  # noqa: E402
 from grpo import batching, distributed, families, loading, logprobs, lora, moe, routing, video  # noqa: E402
+from grpo.media import set_pixel_range  # noqa: E402
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES = 56 * 56, 112 * 112, 6

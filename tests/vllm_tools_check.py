@@ -17,8 +17,8 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from data import set_pixel_range  # noqa: E402
 from grpo import batching, distributed, loading, logprobs, tools, turns  # noqa: E402
+from grpo.media import set_pixel_range  # noqa: E402
 from tests.hf_engine_check import image_prompts  # noqa: E402
 from tests.test_tools import SPECS, Scripted, scripted_calls  # noqa: E402
 
