@@ -15,6 +15,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -216,6 +217,9 @@ def run_rank(main):
     exit_rank(code)
 
 
+EXIT_HANDLERS_S = 5.0  # the most the exit handlers may take, all together, before the process ends without them
+
+
 def exit_rank(code: int):
     """End this process with `code`, skipping only the interpreter's own teardown: Python's exit handlers run, the
     standard streams are flushed, and C's exit() then runs the libraries' teardown (vLLM's CPU build unlinks its
@@ -226,11 +230,35 @@ def exit_rank(code: int):
     finalizing by then, the worker's GIL acquire (the tensor's Python object is released with it) ends the thread
     inside a C++ destructor, and the process aborts with "terminate called without an active exception": a finished
     run reported by torchrun and Slurm as failed (SIGABRT). Here the interpreter never finalizes, and exit() is called
-    holding the GIL, so such a worker waits until the process ends instead."""
+    holding the GIL, so such a worker waits until the process ends instead.
+
+    An exit handler can wait on something that never comes: torch inductor's compile-worker pool, which vLLM's CUDA
+    graphs start, waits up to 300 s for its worker (SubprocPool.shutdown's process.wait(300), torch 2.11 to 2.14),
+    multiprocessing's joins a child that does not end. What releases device memory is done before (shut_down; the
+    engine's pools), and the device's memory goes back with the process. So the handlers get EXIT_HANDLERS_S in all;
+    past that a watchdog thread names the one still running and ends the process the same way, with the same code."""
+
+    def end():
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        ctypes.PyDLL(None).exit(code)  # PyDLL: the call keeps the GIL, so no other Python thread runs past this
+
+    def give_up(main_thread: int):
+        at = handler = sys._current_frames().get(main_thread)  # where it waits, and the handler that called it
+        while handler is not None and handler.f_back is not None and handler.f_back.f_code is not exit_rank.__code__:
+            handler = handler.f_back
+        name = f"{handler.f_code.co_name} ({handler.f_code.co_filename})" if handler else "?"
+        where = f"{at.f_code.co_filename}:{at.f_lineno}" if at else "?"
+        print(f"exit: the exit handler {name} still waits after {EXIT_HANDLERS_S:.0f} s (at {where}); ending "
+              "without it", file=sys.stderr)  # fmt: skip
+        end()
+
+    watchdog = threading.Timer(EXIT_HANDLERS_S, give_up, args=(threading.get_ident(),))
+    watchdog.daemon = True
+    watchdog.start()
     atexit._run_exitfuncs()  # what a normal exit runs: the reward workers' close, logging's flush, child processes
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    ctypes.PyDLL(None).exit(code)  # PyDLL: the call keeps the GIL
+    watchdog.cancel()
+    end()
 
 
 def shut_down(engine) -> None:

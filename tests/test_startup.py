@@ -2,9 +2,11 @@
 that sees one GPU, a checkpoint of another architecture, vLLM's log noise. And what they see last: a finished run's
 ranks ending with exit code 0."""
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -291,6 +293,45 @@ def test_exit_rank_keeps_the_exit_code_handlers_and_output():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "c stdio" in proc.stdout and proc.stdout.replace("c stdio", "") == "buffered\nhandler\n"  # two buffers
+
+
+def test_exit_rank_ends_while_an_exit_handler_waits_on_a_stopped_compile_worker():
+    """Guards against a finished run that does not end: torch inductor's compile-worker pool (CUDA graphs on) waits
+    up to 300 s for its worker in an exit handler (SubprocPool.shutdown: process.wait(300), torch 2.11-2.14), and a
+    worker that does not answer holds the rank there, with Slurm's time running. Here the pool's worker is stopped
+    (SIGSTOP); exit_rank must end the process with its code within 10 s of its last line, saying which handler it
+    left waiting."""
+    code = (
+        "import os, signal, sys\n"
+        "import torch._inductor.config as config\n"
+        "config.compile_threads, config.worker_start_method = 2, 'subprocess'\n"
+        "from torch._inductor.async_compile import AsyncCompile\n"
+        "pool = AsyncCompile.process_pool()  # the sidecar process vLLM's compile starts\n"
+        "print(pool.process.pid, flush=True)\n"
+        "os.kill(pool.process.pid, signal.SIGSTOP)\n"
+        "from grpo import distributed\n"
+        "print('last line', flush=True)\n"
+        "distributed.exit_rank(4)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    worker = int(proc.stdout.readline())
+    try:
+        assert proc.stdout.readline() == "last line\n"
+        last = time.monotonic()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        ended = time.monotonic() - last
+        assert proc.returncode == 4, proc.stderr.read()
+        assert ended < 10, ended
+        assert "shutdown_compile_workers" in proc.stderr.read()  # the handler it left waiting, named
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, sig)
 
 
 def test_a_stop_is_said_once_by_rank_0_without_a_traceback(monkeypatch, capsys):
