@@ -233,7 +233,7 @@ def exit_rank(code: int):
     holding the GIL, so such a worker waits until the process ends instead.
 
     An exit handler can wait on something that never comes: torch inductor's compile-worker pool, which vLLM's CUDA
-    graphs start, waits up to 300 s for its worker (SubprocPool.shutdown's process.wait(300), torch 2.11 to 2.14),
+    graphs start, waits up to 300 s for its worker (SubprocPool.shutdown's process.wait(300) in torch 2.13),
     multiprocessing's joins a child that does not end. What releases device memory is done before (shut_down; the
     engine's pools), and the device's memory goes back with the process. So the handlers get EXIT_HANDLERS_S in all;
     past that a watchdog thread names the one still running and ends the process the same way, with the same code."""

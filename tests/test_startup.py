@@ -297,7 +297,7 @@ def test_exit_rank_keeps_the_exit_code_handlers_and_output():
 
 def test_exit_rank_ends_while_an_exit_handler_waits_on_a_stopped_compile_worker():
     """Guards against a finished run that does not end: torch inductor's compile-worker pool (CUDA graphs on) waits
-    up to 300 s for its worker in an exit handler (SubprocPool.shutdown: process.wait(300), torch 2.11-2.14), and a
+    up to 300 s for its worker in an exit handler (SubprocPool.shutdown: process.wait(300) in torch 2.13), and a
     worker that does not answer holds the rank there, with Slurm's time running. Here the pool's worker is stopped
     (SIGSTOP); exit_rank must end the process with its code within 10 s of its last line, saying which handler it
     left waiting."""
