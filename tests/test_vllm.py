@@ -226,6 +226,21 @@ def test_a_request_of_several_answers_stops_as_its_answers_would_alone(tp1):
         assert not rank["left_running"]  # every stopped answer was aborted
 
 
+def test_the_stepped_stop_is_the_same_under_async_schedulings_batch_queue(tp1):
+    """Guards partial rollouts under async scheduling (vLLM's default with CUDA, off on CPU): vLLM then keeps two
+    batches in flight, a step that only fills the queue reports nothing, outputs come a step late, and at the stop a
+    batch of the stopped answers is still in flight, delivered at the next call after sleep, wake and the weight
+    sync. Stepped that way (vllm_check.batch_queue_steps), generate_until must cut each answer where the synchronous
+    steps cut it, with the same tokens, log-probs and finish, and the next call must not see the stale batch."""
+    for rank in tp1:
+        assert rank["queue/empty_steps"] > 0 and rank["queue/in_flight_at_stop"] > 0  # (it stepped as a queue does)
+        assert rank["queue/batch_queue"] == rank["queue/sync"]
+        assert rank["queue/batch_queue_after"] == rank["queue/sync_after"]
+        finished = [f for *_, f, _ in rank["queue/sync"]]
+        assert finished[:4] == [True] * 4 and not any(finished[4:])  # group 0 ended, group 1 was cut
+        assert all(len(ids) > 0 for ids, *_ in rank["queue/sync"][4:])  # with tokens
+
+
 def test_an_answer_that_pauses_leaves_its_group_open(tp1, tp2):
     """Guards partial rollouts with tools (rollout.generate_until's pause_ids): an answer stopped at a tool call's
     end must come back unfinished with its tokens up to the call, and must not complete its group, or the step would

@@ -12,6 +12,7 @@ MoE it then syncs a second trainer, the same targets plus `experts` with only th
 compares again (keys `experts/...`): that resync resends the MLPs of the adapted experts, merged, one expert at a time.
 """
 
+import collections
 import json
 import os
 import sys
@@ -165,6 +166,51 @@ def check_pause(engine, prompt, result):
     result["paused"] = [[ids, finished, truncated] for ids, _, finished, truncated in out]
 
 
+class BatchQueue(collections.deque):
+    empty_steps = 0  # steps that only filled the queue
+
+
+def batch_queue_steps(llm):
+    """Make the in-process engine core step as step_with_batch_queue does under async scheduling, which vLLM 0.26 to
+    0.33 turn on with CUDA (the CPU platform turns it off, platforms/cpu.py): a step that only fills the queue of two
+    batches returns no output, every output comes one step late, and at a stop one batch is still in flight, its
+    outputs delivered at the next call, for requests aborted by then (the output processor skips those). The
+    in-process client calls `engine_core.step_fn()` (InprocClient.get_output, 0.26 to 0.33). Returns the queue (what
+    is in flight) and the undo."""
+    core = llm.llm_engine.engine_core.engine_core
+    real, queue = core.step_fn, BatchQueue()
+
+    def step_fn():
+        queue.appendleft(real())
+        if len(queue) < 2 and core.scheduler.has_requests():  # filling the queue: nothing to report yet
+            queue.empty_steps += 1
+            return None, queue[0][1]
+        return queue.pop()
+
+    core.step_fn = step_fn
+    return queue, lambda: setattr(core, "step_fn", real)
+
+
+def check_batch_queue(engine, prompt, result):
+    """rollout.generate_until stepped as under async scheduling against the synchronous steps: group 0's answers end
+    after 3 tokens (their own max_tokens), group 1's are cut where the quota of 1 group stops them; then a plain
+    generate after the stop, with a batch of the stopped requests still in flight. Each answer must have the same
+    tokens, log-probs and finish reason either way."""
+    params = rollout.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16)
+    short = replace(prompt, max_tokens=3)
+    requests = [rollout.Continuation(short, [], 0)] * 4 + [rollout.Continuation(prompt, [], 1)] * 4
+    for name in ("sync", "batch_queue"):
+        engine.llm.reset_prefix_cache()
+        queue, undo = batch_queue_steps(engine.llm) if name == "batch_queue" else ([], lambda: None)
+        stopped = engine.generate_until(requests, 1, params, seed=5151)
+        in_flight = sum(bool(outputs) for outputs, _ in queue)  # batches with outputs the loop has not seen
+        after = engine.generate([prompt], 2, params, seed=5252)
+        undo()
+        result[f"queue/{name}"] = [[ids, logps, finished, truncated] for ids, logps, finished, truncated in stopped]
+        result[f"queue/{name}_after"] = [[s.response_ids, s.logprobs, s.truncated] for s in after]
+    result["queue/in_flight_at_stop"], result["queue/empty_steps"] = in_flight, queue.empty_steps
+
+
 def record_applied(engine, names):
     """Wrap the engine's apply_model to append the name of each function it applies to the model to `names`."""
     apply = engine.llm.apply_model
@@ -282,6 +328,8 @@ def main():
     if engine.tp_group is None:  # (a TP group's members would have to submit the same requests)
         check_grouped_stop(engine, image[0], result)
     check_pause(engine, image[0], result)  # (generate_until pools a TP group's requests)
+    if engine.tp_group is None:
+        check_batch_queue(engine, image[0], result)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
