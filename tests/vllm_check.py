@@ -175,7 +175,7 @@ def batch_queue_steps(llm):
     0.33 turn on with CUDA (the CPU platform turns it off, platforms/cpu.py): a step that only fills the queue of two
     batches returns no output, every output comes one step late, and at a stop one batch is still in flight, its
     outputs delivered at the next call, for requests aborted by then (the output processor skips those). The
-    in-process client calls `engine_core.step_fn()` (InprocClient.get_output, 0.26 to 0.33). Returns the queue (what
+    in-process client calls `engine_core.step_fn()` (InprocClient.get_output in 0.32, read). Returns the queue (what
     is in flight) and the undo."""
     core = llm.llm_engine.engine_core.engine_core
     real, queue = core.step_fn, BatchQueue()
