@@ -6,9 +6,13 @@ nowhere else. Everything else they say still shows: vLLM at WARNING and above, e
 `trainer.verbose=true`, or a VLLM_LOGGING_LEVEL of your own (INFO, DEBUG, even WARNING), shows it all: no row is
 filtered, vLLM logs at that level (INFO by default) and draws its progress bars.
 
-    quiet = quiet_logs(verbose)          # before vLLM is first imported: it reads its level when it sets up logging
-    with filtered_stderr(quiet):         # around the engine's start, for what C++ writes past Python
+    quiet = quiet_logs(verbose, sleep_level)  # before vLLM is first imported: it reads its level at setup
+    with filtered_stderr(quiet):              # around the engine's start, for what C++ writes past Python
         llm = LLM(...)
+
+One row is harmless only while the engine keeps its weights: the reload's "Following weights were not loaded", which
+names the engine's parameters a sync did not send. At sleep level 0 or 1 they keep what they hold; after a level-2
+sleep they hold uninitialised memory, so at level 2 the line is shown and the run stops on it (unsent_weights).
 """
 
 import contextlib
@@ -18,6 +22,10 @@ import sys
 import threading
 import warnings
 from multiprocessing import resource_tracker
+
+# vLLM's reload names the engine's parameters a sync did not send in a line that starts so (model_loader/reload/
+# inplace.py in 0.32/0.33, v1/worker/gpu_model_runner.py in 0.26: the set of names as its one argument).
+NOT_LOADED = "Following weights were not loaded"
 
 # Logged through Python's logging: (logger, text in the message, why it is harmless here). A logger's filter sees
 # only the records logged to that very logger, not its children's, so each row names the module that logs.
@@ -53,11 +61,13 @@ LOGGED = [
      "backend: the one the trainer's processor resolves to without it, so both see the same pixels"),
     # at every weight sync
     ("vllm.model_executor.model_loader.reload.layerwise", "Failed to load weights",
-     "the layer-wise reload names layers that received nothing to reload; they keep what they hold, and the "
-     "log-probs after a sync equal the trainer's (tests/test_vllm.py)"),
-    ("vllm.model_executor.model_loader.reload.inplace", "Following weights were not loaded",
-     "with LoRA the sync resends only what can change; the rest keeps its tensors (tests/test_vllm.py)"),
-    ("vllm.v1.worker.gpu_model_runner", "Following weights were not loaded",
+     "the layer-wise reload names the class of each layer that received nothing: at every sync those that hold only "
+     "buffers (rotary tables, the image normalizer's mean and std), which vLLM keeps at every sleep level; a "
+     "parameter that received nothing is named in the next row's line"),
+    ("vllm.model_executor.model_loader.reload.inplace", NOT_LOADED,
+     "with LoRA the sync resends only what can change; the rest keeps its tensors (tests/test_vllm.py). Shown at "
+     "sleep level 2, where the rest would be uninitialised, and the run stops on it (unsent_weights)"),
+    ("vllm.v1.worker.gpu_model_runner", NOT_LOADED,
      "the same message as vLLM 0.26 logs it, from its model runner"),
     ("vllm.v1.worker.cpu_worker", "torch.set_num_threads",
      "on CPU, vLLM's thread binding skips later set_num_threads calls, as intended"),
@@ -88,25 +98,55 @@ class _Noise(logging.Filter):
         return not any(text in record.getMessage() for text in self.texts)
 
 
-def quiet_logs(verbose: bool) -> bool:
+def quiet_logs(verbose: bool, sleep_level: int = 0) -> bool:
     """Filter the rows above and set vLLM's level to WARNING, unless `verbose` or the user's own VLLM_LOGGING_LEVEL
-    asks for everything. True when quiet. Call it before vLLM is first imported (it reads the level then); calling
-    it again adds no second filter."""
+    asks for everything. True when quiet. At `sleep_level` 2 the NOT_LOADED rows are not filtered. Call it before
+    vLLM is first imported (it reads the level then); calling it again adds no second filter (its rows are the
+    latest call's)."""
     global _level_set_here
     user_level = "VLLM_LOGGING_LEVEL" in os.environ and not _level_set_here
     if verbose or user_level:
         return False
     os.environ["VLLM_LOGGING_LEVEL"], _level_set_here = "WARNING", True
-    texts = {}
+    texts = {name: [] for name, _, _ in LOGGED}
     for name, text, _ in LOGGED:
-        texts.setdefault(name, []).append(text)
+        if text != NOT_LOADED or sleep_level != 2:
+            texts[name].append(text)
     for name, logger_texts in texts.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _Noise) for f in logger.filters):
+        noise = [f for f in logger.filters if isinstance(f, _Noise)]
+        if noise:
+            noise[0].texts = logger_texts
+        else:
             logger.addFilter(_Noise(logger_texts))
     for category, message, _ in WARNED:
         warnings.filterwarnings("ignore", message=message, category=category)
     return True
+
+
+@contextlib.contextmanager
+def unsent_weights():
+    """The names of the engine's parameters that vLLM's reload reports as not loaded (NOT_LOADED) inside the block,
+    as a set filled when the block ends. The record is read before any filter of this module could drop it, and the
+    loggers log warnings inside the block even where the user's VLLM_LOGGING_LEVEL is above them."""
+    names, loggers = set(), [logging.getLogger(name) for name, text, _ in LOGGED if text == NOT_LOADED]
+
+    def read(record):
+        if record.getMessage().startswith(NOT_LOADED):
+            found = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            names.update(map(str, found) if isinstance(found, (set, frozenset, list, tuple)) else [record.getMessage()])
+        return True
+
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.filters.insert(0, read)
+        logger.setLevel(min(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield names
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeFilter(read)
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ generation stepped and stopped at the step's quota of complete groups (`generate
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import gc
 import os
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import families, lora, moe, vllm_compat
-from grpo.quiet import filtered_stderr, quiet_logs
+from grpo.quiet import filtered_stderr, quiet_logs, unsent_weights
 from grpo.samples import Continuation, Prompt, Sample, SamplingParams, engine_prompt_ids, vision_token_ids
 from grpo.video import video_processor_size
 
@@ -69,10 +70,12 @@ class VLLMEngine:
         on_cuda = torch.cuda.is_available()
         vllm_compat.sampler_environment(on_cuda)
         vllm_compat.model_runner_environment()  # the runner the CPU tests run, on CUDA too
-        quiet = quiet_logs(cfg.trainer.verbose)
+        r, d = cfg.rollout, cfg.data
+        # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
+        self.sleep_level = sleep_level_for(r.sleep_level, cfg.actor.lora_rank) if on_cuda else 0
+        quiet = quiet_logs(cfg.trainer.verbose, self.sleep_level)
         from vllm import LLM
 
-        r, d = cfg.rollout, cfg.data
         rank = dist.get_rank()
         family = families.family_of(cfg.actor.model_path)
         self.tp, self.max_images = r.tensor_parallel_size, r.max_images_per_prompt
@@ -84,8 +87,6 @@ class VLLMEngine:
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
         self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
-        # Sleep mode exists on CUDA only (enabling it elsewhere raises): elsewhere the engine stays awake.
-        self.sleep_level = sleep_level_for(r.sleep_level, cfg.actor.lora_rank) if on_cuda else 0
         if r.sleep_level > 0 and not on_cuda and rank == 0 and not quiet:
             print("rollout: vLLM sleep mode needs CUDA; here the engine stays awake (rollout.sleep_level ignored)")
         if not on_cuda:
@@ -248,8 +249,18 @@ class VLLMEngine:
         # a layer that gets nothing keeps its tensors and must keep its kernel)
         if self.cpu_moe and any(moe.EXPERT_PARAM.match(name) for name, _, _ in params):
             self.llm.apply_model(vllm_compat.forget_cpu_moe_kernels)
-        with vllm_compat.torch_cpu_linear(self.torch_linear):
+        # After a level-2 sleep a parameter the sync does not send holds uninitialised memory, and the engine would
+        # sample from it: the run stops at its first sync, naming what vLLM reports as not loaded.
+        unsent = unsent_weights() if self.sleep_level == 2 else contextlib.nullcontext(set())
+        with vllm_compat.torch_cpu_linear(self.torch_linear), unsent as names:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        if names:
+            raise RuntimeError(
+                f"rollout: the weight sync did not reach these of vLLM's weights: {', '.join(sorted(names))}. After "
+                "a level-2 sleep (rollout.sleep_level; 2 for full fine-tuning) they hold uninitialised memory. The "
+                "trainer's parameter names must be ones vLLM's loader takes (vllm_engine.sync_weights); meanwhile "
+                "rollout.sleep_level=1 keeps the engine's weights across sleeps, in host memory (docs/memory.md)"
+            )
         self.synced = True
         # Cached KV and vision-encoder outputs belong to the old weights. reload_weights empties the runner's encoder
         # cache but not the scheduler's record of it, which then skips re-encoding ("Encoder cache miss"): reset both.

@@ -238,11 +238,16 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
     right experts: a transposed or misplaced expert moves the log-probs by far more than the bounds. An MoE engine
     must pick the trainer's experts for the same token (ROUTING_BOUNDS), and, for the measure to mean anything, most
     of its picks must differ from the perturbed trainer's before the sync. An fp32 engine keeps its linear layers'
-    weights for torch's matmul (vllm_compat.torch_cpu_linear)."""
+    weights for torch's matmul (vllm_compat.torch_cpu_linear). And a weight the sync does not reach (after a level-2
+    sleep, uninitialised memory) is caught: before the first sync every engine parameter was NaN and every layer's
+    matmul returned NaN (vllm_check.discard_weights), the buffers left alone; the log-probs after it are finite."""
     family, ranks = vllm_run
     text_bound, image_bound = VLLM_BOUNDS[family]
     fp32 = families.FAMILIES[family].vllm_cpu_dtype == torch.float32
     for rank in ranks:
+        floating, other, kernels = rank["discarded"]
+        assert floating > 40 and other == 0 and kernels >= 10, rank["discarded"]
+        assert all(math.isfinite(rank[f"diff_{k}"]) for k in ("text", "image", "video")), rank
         layers, packed = rank["linear_kernels_after_sync"]
         assert layers >= 10 and (packed == 0 or not fp32), (layers, packed)
         if family.endswith("_moe"):  # 2 layers x 4 experts x (gate, up, down)
@@ -263,7 +268,8 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
     most = {k: max(r[f"diff_{k}"] for r in ranks) for k in ("text", "image", "video")}
     over = max(max(r["over_text"], r["over_image"]) for r in ranks)
     before = min(r["over_before_sync"] for r in ranks)
-    print(f"{family}: vLLM vs trainer max |dlogp| " + ", ".join(f"{k} {v:.1e}" for k, v in most.items())
+    print(f"{family}: vLLM (its weights NaN before the first sync) vs trainer max |dlogp| "
+          + ", ".join(f"{k} {v:.1e}" for k, v in most.items())
           + f"; share of tokens over 0.05: {over:.3f} (before the sync {before:.2f})")  # fmt: skip
 
 

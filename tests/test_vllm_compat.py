@@ -243,16 +243,27 @@ def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_
     assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
 
 
-def test_noise_filter_knows_each_versions_logger(monkeypatch):
+# vLLM's reload reports the engine's parameters a sync did not send from this logger: 0.26 in its model runner
+# (v1/worker/gpu_model_runner.py reload_weights), 0.32/0.33 in model_loader/reload/inplace.py reload_weights
+NOT_LOADED_LOGGER = {
+    "0.26": "vllm.v1.worker.gpu_model_runner",
+    "0.33": "vllm.model_executor.model_loader.reload.inplace",
+}
+
+
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_noise_filter_knows_each_versions_logger(monkeypatch, sleep_level):
     """Guards against the weight sync's "Following weights were not loaded" lines (every sync with LoRA) flooding the
-    log on vLLM 0.26, which logs them from the model runner, not from the reload module as 0.32/0.33 do."""
+    log on vLLM 0.26, which logs them from the model runner, not from the reload module as 0.32/0.33 do; and against
+    hiding them at sleep level 2, where the weights they name hold uninitialised memory."""
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setattr(quiet, "_level_set_here", False)
     os.environ.pop("VLLM_LOGGING_LEVEL", None)
-    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.model_executor.model_loader.reload.inplace"):
+    for name in NOT_LOADED_LOGGER.values():
         monkeypatch.setattr(logging.getLogger(name), "filters", [])  # (filters added here are gone after the test)
-    assert quiet.quiet_logs(verbose=False)
-    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.model_executor.model_loader.reload.inplace"):
+    assert quiet.quiet_logs(verbose=False, sleep_level=3 - sleep_level)
+    assert quiet.quiet_logs(verbose=False, sleep_level=sleep_level)  # a second engine: its level's rows, one filter
+    for name in NOT_LOADED_LOGGER.values():
         seen = []
         handler = logging.Handler()
         handler.emit = seen.append
@@ -263,7 +274,72 @@ def test_noise_filter_knows_each_versions_logger(monkeypatch):
             logger.warning("something else")
         finally:
             logger.removeHandler(handler)
-        assert [r.getMessage() for r in seen] == ["something else"], name
+        shown = [r.getMessage() for r in seen]
+        assert len(logger.filters) == 1
+        assert shown == ["Following weights were not loaded from checkpoint: {'lm_head.weight'}"] * (
+            sleep_level == 2
+        ) + ["something else"], name
+
+
+@pytest.mark.parametrize("version", ["0.26", "0.33"])
+@pytest.mark.parametrize("sleep_level", [1, 2])
+def test_a_weight_the_sync_misses_stops_the_run_at_sleep_level_2(monkeypatch, version, sleep_level):
+    """Guards against sampling from uninitialised memory: after a level-2 sleep vLLM restores only the buffers, and
+    its layer-wise reload leaves a layer that receives nothing as it is. A stand-in of each version's reload_weights
+    (the engine's parameters less those loaded, logged as it logs them, after the layer-wise "Failed to load weights"
+    of a layer that holds only buffers) with a quiet run's filters, and a user's VLLM_LOGGING_LEVEL=ERROR on top: at
+    level 2 the sync stops naming the parameter it missed, and a sync that reaches every parameter goes on; at level 1
+    the parameter keeps what it holds and the sync goes on."""
+    import torch
+
+    from grpo.vllm_engine import VLLMEngine
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(quiet, "_level_set_here", False)
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    for name in (*NOT_LOADED_LOGGER.values(), "vllm.model_executor.model_loader.reload.layerwise"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    quiet.quiet_logs(verbose=False, sleep_level=sleep_level)
+
+    class LLM:
+        def __init__(self, params):
+            self.params, self.llm_engine = params, type("LLMEngine", (), {"reset_encoder_cache": lambda self: None})()
+            self.reset_prefix_cache = self.reset_mm_cache = lambda: None
+
+        def collective_rpc(self, method, kwargs):
+            assert method == "reload_weights"
+            loaded = {name for name, _ in kwargs["weights_iterator"]}
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning(
+                "%s: Failed to load weights", "RotaryEmbedding"
+            )
+            weights_not_loaded = set(self.params) - loaded
+            if weights_not_loaded:
+                logging.getLogger(NOT_LOADED_LOGGER[version]).warning(
+                    "Following weights were not loaded from checkpoint: %s", weights_not_loaded
+                )
+
+    trainer = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(4, bias=False), "lm_head": torch.nn.Linear(4, 8, False)})
+    sent = {"norm.weight", "lm_head.weight"}
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.ERROR)
+    try:
+        for engine_params, stops in ((sent, False), (sent | {"visual.merger.weight"}, sleep_level == 2)):
+            engine = object.__new__(VLLMEngine)
+            engine.llm, engine.sleep_level, engine.asleep, engine.synced = LLM(engine_params), sleep_level, set(), False
+            engine.dtype, engine.cpu_moe, engine.torch_linear = torch.float32, False, False
+            engine.timings = {"time/weight_sync": 0.0}
+            if stops:
+                with pytest.raises(RuntimeError, match=r"not reach these of vLLM's weights: visual\.merger\.weight\."):
+                    engine.sync_weights(trainer)
+            else:
+                engine.sync_weights(trainer)
+                assert engine.synced
+    finally:
+        vllm_logger.setLevel(level)
+    logger = logging.getLogger(NOT_LOADED_LOGGER[version])  # the watch's filter and level are gone
+    assert all(isinstance(f, quiet._Noise) for f in logger.filters)
+    assert logging.getLogger(NOT_LOADED_LOGGER[version]).level == logging.NOTSET
 
 
 class _Info026:  # vLLM 0.26's Qwen2VLProcessingInfo._get_vision_info: one flat set of kwargs for both modalities

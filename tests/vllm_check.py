@@ -1,7 +1,8 @@
 """Drive the vLLM rollout engine against the FSDP2 trainer under torchrun and write what test_vllm.py checks.
 
 Every rank: start the engine (from the checkpoint on disk), load the trainer's model and perturb its weights (so the
-engine is stale until synced), sync, sample, and recompute the sampled tokens' log-probs with the trainer.
+engine is stale until synced), discard the engine's weights as a level-2 sleep does (full tuning: NaN, the buffers
+kept), sync, sample, and recompute the sampled tokens' log-probs with the trainer.
 
     torchrun --nproc_per_node=2 tests/vllm_check.py MODEL_DIR OUT_DIR TENSOR_PARALLEL_SIZE [lora]
 
@@ -242,6 +243,24 @@ def check_expert_adapters(cfg, engine, model_dir, device, prompts, ids, params, 
         result[f"experts/over_{kind}"] = max_logprob_diff(model, batch, samples, ids, 1.0, over=0.05)
 
 
+def discard_weights(model) -> list[int]:
+    """What a level-2 sleep leaves of the engine's weights, made visible: vLLM (0.26 to 0.33 gpu_worker.sleep and
+    wake_up) saves and restores the model's buffers and maps every other tensor's memory anew, uninitialised. Here
+    every parameter becomes NaN, and every layer's CPU matmul, which may hold the weights packed away from the
+    parameter (vLLM's CPU build packs bf16 weights for oneDNN), returns NaN until a reload sets the layer up again;
+    the buffers (rotary tables and the like) stay as they are. A layer the sync does not reach keeps its tensors
+    (vLLM's layer-wise reload) and so computes NaN. Run on the engine's model (LLM.apply_model); returns [floating
+    parameters, other parameters, kernels]."""
+    floating = [p for p in model.parameters() if p.is_floating_point()]
+    with torch.no_grad():
+        for p in floating:
+            p.fill_(float("nan"))
+    kernels = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+    for m in kernels:
+        m.cpu_linear = lambda x, weight, bias, kernel=m.cpu_linear: kernel(x, weight, bias) * float("nan")
+    return [len(floating), sum(1 for _ in model.parameters()) - len(floating), len(kernels)]
+
+
 def linear_kernels(model) -> list[int]:
     """The engine's linear layers that vLLM's CPU build set up (a `cpu_linear`), and how many of them hold no weight
     of their own: packed away by a oneDNN handler rather than kept for torch's matmul (vllm_compat.torch_cpu_linear).
@@ -302,6 +321,8 @@ def main():
 
     result["linear_kernels_at_start"] = engine.llm.apply_model(linear_kernels)[0]
     engine.wake()
+    if not with_lora:  # full tuning sleeps at level 2 on CUDA: its first sync must set every weight
+        result["discarded"] = engine.llm.apply_model(discard_weights)[0]
     first = []
     record_synced_names(engine, first)
     engine.sync_weights(model)
