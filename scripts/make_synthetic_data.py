@@ -160,12 +160,21 @@ def make_tool_task(out_path: str, n_rows: int = 64, seed: int = 0, size: int = 5
     return str(out_path)
 
 
+# The revealed picture's sides, in the blank's: 2 gives 4 times its image tokens (16 at the demo's 56 x 56 blank,
+# within data.max_pixels). The tiny random model's attention spreads over the ~100 tokens before the answer, and 4
+# image tokens among them (the vision demo's 4 sit among ~40) left the colour a faint signal: the answers settled on
+# one or two digits before the picture was read at some seeds (issue 58, docs/tools.md).
+REVEAL_SCALE = 2
+
+
 def reveal(arguments: dict, images: list):
-    """The tool demo's tool: the picture behind the prompt's blank (its grey level names the colour)."""
+    """The tool demo's tool: the picture behind the prompt's blank (its grey level names the colour), REVEAL_SCALE
+    times its sides."""
     k = BLANK_GREY - images[0].getpixel((0, 0))[0]
     if not 0 <= k < len(COLOURS):
         raise ValueError("the first image is not a tool-demo blank")
-    return Image.new("RGB", images[0].size, list(COLOURS.values())[k])
+    width, height = images[0].size
+    return Image.new("RGB", (REVEAL_SCALE * width, REVEAL_SCALE * height), list(COLOURS.values())[k])
 
 
 reveal.schema = {"name": "reveal", "description": "Shows the picture behind the blank image.",
