@@ -73,13 +73,18 @@ TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
 # model's tool-use tuning gives it them). So the embedding of the token that ends an assistant header ("\n" after
 # `<|im_start|>assistant`, the prompt's last token and a tool turn's) carries TOOL_CALL_FEATURE in hidden dimension 0
 # (every other token 0 there), and only </tool_call>'s LM-head row reads it: a logit offset of TOOL_CALL_LOGIT at the
-# first position of a turn (98% a call at the prompt's end; ~0.3% a token elsewhere, as any token). A turn that calls
-# is then one token long, and the answer after the tool turn comes at once, as in the vision demo's short answers.
-# Tried first: the offset at every position (the call landed ~50 tokens into the answer, and </tool_call>s filled the
-# last turn around the digit), and a feature of 1 (the final norm's dimension 0 then shrank as soon as one Adam step
-# grew the others: one Adam step at lr 3e-3 on a tiny gradient for another first token took the first-token call rate
-# from 55% to 1%; at 10 the norm stays saturated and the same step moves it from 49% to 44%).
-TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 10.0, 10.0
+# first position of a turn (99.7% a call at the prompt's end; ~0.3% a token elsewhere, as any token). A turn that
+# calls is then one token long, and the answer after the tool turn comes at once, as in the vision demo's short
+# answers. Tried first: the offset at every position (the call landed ~50 tokens into the answer, and </tool_call>s
+# filled the last turn around the digit), and a feature of 1 (the final norm's dimension 0 then shrank as soon as one
+# Adam step grew the others: one Adam step at lr 3e-3 on a tiny gradient for another first token took the first-token
+# call rate from 55% to 1%). At 10 (offset 10, 98% calls) the norm held one step, not a run: as the answer format was
+# learnt the other dimensions of the state at a turn's start grew, the normed feature shrank with them, and at some
+# seeds the call share fell from 0.9 to 0.1-0.4 within 3-4 steps, mid-run, before the picture was read (issue 58;
+# docs/tools.md). At 100 the final norm's dimension 0 stays at sqrt(hidden) whatever the others do, and the other
+# dimensions' share of a turn's first logits is cut 10-fold; offset 12 leaves a rare non-calling answer (0.25%),
+# whose large gradient against the call was the other push.
+TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 100.0, 12.0
 
 # A repetition loop (build_tiny_model's `loop_logit`), the long tail of RL answers that repeat themselves until
 # max_tokens: LOOP_TOKENS, eight ordinary tokens, carry LOOP_FEATURE in hidden dimension 1 (every other token 0

@@ -17,7 +17,7 @@ def test_tool_demo_learns_what_only_the_tools_picture_says(tiny_tools_model_dir,
 
     assert len(colours) == COLOURS
     config = "configs/tiny_tools.yaml"
-    rows = assert_demo_learns(config, make_tool_task, 40, 1 / COLOURS, tiny_tools_model_dir, tmp_path)
+    rows = assert_demo_learns(config, make_tool_task, 60, 1 / COLOURS, tiny_tools_model_dir, tmp_path, timeout=600)
     calls = [r["tool/call_share"] for r in rows]
     first, last = sum(calls[:5]) / 5, sum(calls[-5:]) / 5
     print(f"{config}: call share first 5 steps {first:.2f} -> last 5 {last:.2f}, lowest step {min(calls):.2f}")
