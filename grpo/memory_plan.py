@@ -722,7 +722,7 @@ def host_bytes_per_rank(ranks: int) -> float:
 
 
 def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
-    """The plan for `cfg` (train_grpo.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
+    """The plan for `cfg` (grpo.config.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
     known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
     memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""

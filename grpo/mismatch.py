@@ -38,8 +38,9 @@ ACTIONS = ("stop", "skip")  # algorithm.mismatch_action: what a later step past 
 RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # fmt: skip
 
-# Running sums (and maxima, `*_max`) of one step, kept in train_grpo.update_policy's stats: every rank has every key,
-# so the reductions over ranks line up whichever modalities a rank holds
+# Running sums (and maxima, `*_max`) of one step, kept in the step's stats (grpo/stats.py: a key not yet added reads
+# 0) and reduced here over all of STATS: every rank reduces every key, so the reductions line up whichever modalities
+# a rank holds
 STATS = (
     *(f"mismatch/{m}/{k}" for m in MODALITIES for k in ("tokens", "diff_sum", "kl_sum", "diff_max")),
     "mismatch/seqs",
