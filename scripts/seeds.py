@@ -3,6 +3,7 @@
     python scripts/seeds.py configs/tiny_tools.yaml --seeds 1-5            # this CPU's widest vector paths
     python scripts/seeds.py configs/tiny_tools.yaml --seeds 1-5 --avx2     # the arithmetic of an AVX2-only CPU
     python scripts/seeds.py configs/tiny.yaml --seeds 1,3 actor.lr=2e-3    # extra overrides go to every run
+    python scripts/seeds.py --pytest "tests/test_families.py -k learn" --seeds 1-5   # a learning test at each seed
 
 Each seed is one `torchrun --standalone --nproc_per_node=2 train_grpo.py CONFIG trainer.seed=S ...` (OMP_NUM_THREADS=1,
 as `make demo*` and the tests run it), one after the other. The tiny model and data are built as the Makefile's demo
@@ -11,6 +12,10 @@ under outputs/seeds/assets/, unless --model, --train and --val name them. The ru
 outputs/seeds/CONFIG_NAME[-avx2]/seedS. The table: per seed, the mean of reward/accuracy (and reward/overall, and for
 tool runs tool/call_share) over the first 5 and the last 5 training steps, the last greedy validation, and the run's
 wall time.
+
+--pytest runs tests instead of a config: the pytest arguments given, once per seed, with TEST_SEED set, which
+tests/launch.py turns into trainer.seed=S on every launch of a config that sets no seed of its own. Per seed: passed
+or failed, and the figures the tests print (their lines with "first 5"; run with -s).
 
 --avx2 runs with the arithmetic an AVX2-only x86 CPU gets (no AVX-512), on a CPU that has AVX-512: every library that
 picks a vector path at run time is held to AVX2: ATen's kernels (ATEN_CPU_CAPABILITY=avx2), oneDNN
@@ -99,7 +104,8 @@ def summarize(metrics: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config")
+    parser.add_argument("config", nargs="?", help="the demo's config (or --pytest)")
+    parser.add_argument("--pytest", help="pytest arguments, e.g. 'tests/test_families.py -k learn', run per seed")
     parser.add_argument("--seeds", default="1-5", help="trainer.seed values: 1-5, 1,3,7 or 1-3,9 (default 1-5)")
     parser.add_argument("--avx2", action="store_true", help="hold ATen, oneDNN, MKL and vLLM to AVX2 (see above)")
     parser.add_argument("--model", help="the model directory (default: built as the demo's make target does)")
@@ -112,8 +118,18 @@ def main() -> None:
     args = parser.parse_intermixed_args()
 
     python = sys.executable
-    name = Path(args.config).stem
     out = (REPO / args.out).resolve()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if args.avx2:
+        site = out / "avx2_site"
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "sitecustomize.py").write_text(AVX2_SITE)
+        env.update(AVX2_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])))
+    if args.pytest:
+        return run_tests(args.pytest, parse_seeds(args.seeds), env, args.avx2)
+    if not args.config:
+        parser.error("a config, or --pytest")
+    name = Path(args.config).stem
     model, train, val = args.model, args.train, args.val
     if not (model and train and val):
         if name not in DEMOS:
@@ -121,13 +137,7 @@ def main() -> None:
         built = build_assets(name, out / "assets", python)
         model, train, val = (given or default for given, default in zip((model, train, val), built))
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tag = name + ("-avx2" if args.avx2 else "")
-    if args.avx2:
-        site = out / "avx2_site"
-        site.mkdir(parents=True, exist_ok=True)
-        (site / "sitecustomize.py").write_text(AVX2_SITE)
-        env.update(AVX2_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])))
 
     results = []
     for seed in parse_seeds(args.seeds):
@@ -153,6 +163,23 @@ def main() -> None:
 
     print(f"\n{args.config}{' (AVX2)' if args.avx2 else ''}{' ' + ' '.join(args.overrides) if args.overrides else ''}")
     print(table(results))
+
+
+def run_tests(pytest_args: str, seeds: list[int], env: dict, avx2: bool) -> None:
+    """pytest_args once per seed (TEST_SEED=S), one after the other: each seed's outcome and printed figures."""
+    lines = []
+    for seed in seeds:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *pytest_args.split()]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, env={**env, "TEST_SEED": str(seed)}, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+        figures = [line.strip() for line in proc.stdout.splitlines() if "first 5" in line]
+        lines.append(f"seed {seed}: {'passed' if proc.returncode == 0 else 'FAILED'} ({summary}, {wall:.0f} s)")
+        lines += [f"    {f}" for f in figures]
+        print("\n".join(lines[-1 - len(figures):]), flush=True)
+    print(f"\n{pytest_args}{' (AVX2)' if avx2 else ''}")
+    print("\n".join(lines))
 
 
 def format_row(s: dict) -> str:

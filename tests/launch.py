@@ -15,10 +15,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _server = {}
 
 
+def seeded(args) -> list:
+    """`args` with trainer.seed=$TEST_SEED added when that is set and the launch names a config without a seed of
+    its own: how scripts/seeds.py --pytest runs the learning tests at other seeds than the default."""
+    seed = os.environ.get("TEST_SEED")
+    args = list(args)
+    named = any(str(a).endswith(".yaml") for a in args) and not any(str(a).startswith("trainer.seed=") for a in args)
+    if seed and named:
+        args.append(f"trainer.seed={seed}")
+    return args
+
+
 def torchrun(nproc, *args, timeout=600, real=False):
     """The ranks of `torchrun --standalone --nproc_per_node=nproc *args` from the repo root, forked by the rank
     server, or under torchrun itself with real=True; fails the test with the output's tail; returns the ranks'
     stdout."""
+    args = seeded(args)
     if real:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
@@ -36,7 +48,7 @@ def forked(nproc, *args, timeout=600, merged=False):
     codes, whether the timeout ended them, stdout, stderr); with merged=True stderr goes into stdout, in order."""
     with tempfile.TemporaryDirectory() as tmp:  # (each rank gets OMP_NUM_THREADS=1 from the server, as from torchrun)
         stderr = None if merged else f"{tmp}/stderr"
-        job = {"nproc": nproc, "args": list(args), "env": dict(os.environ), "cwd": REPO, "port": free_port(),
+        job = {"nproc": nproc, "args": seeded(args), "env": dict(os.environ), "cwd": REPO, "port": free_port(),
                "timeout": timeout, "stdout": f"{tmp}/stdout", "stderr": stderr}  # fmt: skip
         result = _ask_server(job, timeout + 60)
         stdout, stderr = (pathlib.Path(path).read_text() if path else "" for path in (job["stdout"], job["stderr"]))

@@ -391,6 +391,7 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 16))
     first = sum(r["reward/overall"] for r in rows[:5]) / 5
     last = sum(r["reward/overall"] for r in rows[-5:]) / 5
+    print(f"{name} correction: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last > first + 0.1, (first, last)
     if skip:  # step 8 warned, skipped and counted, its weights left as they were; every other step stepped
         bad = rows.pop(7)

@@ -40,6 +40,7 @@ def test_bf16_masters_with_offload_learn_the_toy_reward(bf16_offload_run):
     carried over and cut ones continued, and the transfers timed every step."""
     _, _, rows = bf16_offload_run
     first, last = first_and_last(rows)
+    print(f"bf16 masters, offload, partial rollouts: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in rows)
     assert all(r["rollout/partial_carried"] > 0 and r["rollout/off_policy_share"] > 0 for r in rows[1:])

@@ -148,6 +148,7 @@ def test_end_to_end_two_ranks_learns_toy_reward(tiny_model_dir, tmp_path):
     assert all(r["reward/errors"] == 0 for r in train_rows) and "failed to grade" not in stdout
     first = sum(r["reward/overall"] for r in train_rows[:5]) / 5
     last = sum(r["reward/overall"] for r in train_rows[-5:]) / 5
+    print(f"HF engine: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last > first + 0.1, (first, last)
     assert json.loads((out_dir / "config.json").read_text())["trainer"]["max_steps"] == 20
 

@@ -191,6 +191,7 @@ def test_end_to_end_two_ranks_with_vllm_learns_toy_reward(tiny_model_dir, tmp_pa
         assert all(key in r for r in train_rows), key
     assert all(r["rollout/logprob_diff_mean"] <= 0.05 for r in train_rows)
     first, last = first_and_last(train_rows)
+    print(f"vLLM {'LoRA' if lora else 'full'}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
     assert last >= first + 0.2, (first, last)
     out_dir = tmp_path / "run"
     if lora:  # the merged model in the checkpoint's names: the adapted weights moved, the frozen ones did not
