@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import mismatch, partial, preflight, turns
+from grpo import mismatch, partial, preflight, sequence_parallel, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
@@ -327,6 +327,8 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
     sampled (old, or None) and under the reference (or None). With LoRA the reference is the policy itself
     (`ref_model is model`) with its adapters switched off. The caller has the model in eval mode: no dropout, so
     both are deterministic (lora_dropout acts only in update_policy's forwards, as dropout does in PPO trainers)."""
+    # sequence parallelism: each rank of a group computes the group's samples together, and keeps its own
+    prompts, samples, mine = sequence_parallel.share_group(prompts, samples, cfg.actor.sequence_parallel_size)
     old, ref = [None] * len(samples), [None] * len(samples)
     with torch.no_grad():
         for mb, _ in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):  # a re-run writes again
@@ -343,7 +345,7 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
                     for row, i in enumerate(mb):
                         out[i] = logp[row, : lengths[row]]
     reshard(model, ref_model)
-    return (old if need_old else None), (ref if ref_model is not None else None)
+    return (old[mine] if need_old else None), (ref[mine] if ref_model is not None else None)
 
 
 def shape_scores(scores, samples, old_logps, ref_logps, cfg):
@@ -430,18 +432,21 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device, shared = compute_device(model), shares_prefixes(a)
+    stats.copies = a.sequence_parallel_size  # every rank of a group records the group's shares
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
     for start in range(0, len(all_samples), seqs_per_step):
         # this optimizer step's sequences, each with its own prompt entry so that they can move between ranks
         items = [(all_prompts[all_samples[i].prompt_index], all_samples[i], all_advantages[i],
                   all_old[i] if all_old else None, all_ref[i] if all_ref else None)
                  for i in range(start, start + seqs_per_step)]  # fmt: skip
-        moved = 0
-        if a.max_tokens_per_micro_batch and a.balance_ranks and world > 1:
+        moved, sp = 0, a.sequence_parallel_size
+        items = sequence_parallel.share_items(items, sp)  # a sequence-parallel group's ranks run the same sequences
+        if a.max_tokens_per_micro_batch and a.balance_ranks and world > sp:
             # with shared prefixes a prompt is computed once for its group: each answer bears 1/n of it
             share = cfg.rollout.n if shared else 1
             lengths = [len(p.input_ids) // share + len(s.response_ids) for p, s, *_ in items]
-            items, moved = balance_over_ranks(items, lengths)
+            # between the sequence-parallel groups: each rank with its peers at the same place in the other groups
+            items, moved = balance_over_ranks(items, lengths, sequence_parallel.groups(sp)[1] if sp > 1 else None)
         stats.count("actor/moved_sequences", moved)  # sent to another rank to even out the tokens
         prompts = [it[0] for it in items]
         samples = [dataclasses.replace(it[1], prompt_index=j) for j, it in enumerate(items)]
@@ -454,7 +459,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         kept = [i for i in chunk if not (a.mask_truncated and samples[i].truncated)]
         totals = torch.tensor([float(sum(samples[i].model_len for i in kept)), float(len(kept))])
         dist.all_reduce(totals)
-        num_tokens, num_seqs = totals[0].item(), totals[1].item()
+        num_tokens, num_seqs = totals[0].item() / sp, totals[1].item() / sp  # (each of a group's ranks counted them)
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free, shared)
             stats.count("actor/micro_batches")  # forward/backward passes over the step's optimizer steps

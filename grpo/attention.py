@@ -53,6 +53,9 @@ class PackedLayout:
     def __init__(self, segments, length, device):
         self.segments, self.length, self.device = segments, length, device
         self._masks = self._varlen = self._linear = None  # the last: linear_attention.plan
+        # (fn, module, query, key, value, mask, **kwargs) -> attention output: what a packed attention call runs
+        # instead of `fn` itself, when the row is cut over ranks (sequence_parallel.ulysses_attention); None: `fn`
+        self.around = None
 
     @classmethod
     def sequences(cls, seq_lens, device):
@@ -187,8 +190,21 @@ def _register_attention():
                          attention_mask=attention_mask, **kwargs)  # fmt: skip
 
     for name, fn in (("sdpa_packed", sdpa_packed), ("varlen_packed", varlen_packed), (VISION_VARLEN, varlen_packed)):
-        AttentionInterface.register(name, fn)
+        AttentionInterface.register(name, _around(fn))
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, own_mask)
+
+
+def _around(fn):
+    """`fn`, or its layout's `around` of it: a row cut over sequence-parallel ranks needs an all-to-all on each side."""
+
+    @functools.wraps(fn)
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        around = getattr(kwargs.get("packed_layout"), "around", None)
+        if around is not None:
+            return around(fn, module, query, key, value, attention_mask, *args, **kwargs)
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attention
 
 
 def use_varlen_in_vision_tower(model):

@@ -85,24 +85,27 @@ def rebalance_moves(lengths_per_rank: list[list[int]]) -> list[tuple[int, int, i
     return sorted((r, i, dst) for dst, held in enumerate(items) for r, i, _ in held if r != dst)
 
 
-def balance_over_ranks(items: list, lengths: list[int]) -> tuple[list, int]:
+def balance_over_ranks(items: list, lengths: list[int], group=None) -> tuple[list, int]:
     """This rank's share of one optimizer step after evening out token totals over the ranks (rebalance_moves):
     its own items minus those it gives away, plus those it receives. Under FSDP2 the ranks move in lockstep, so a
     step lasts as long as its fullest rank takes; a group's samples need not stay together, as advantages are final
     by now. Collective: the moves go as pickled objects over the process group, in one global order of (from, to)
-    pairs, which every rank walks in the same sequence (no deadlock). Also returns how many sequences moved."""
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, lengths)
+    pairs, which every rank walks in the same sequence (no deadlock). Also returns how many sequences moved.
+    `group`: balance over its ranks only (sequence parallelism: each rank with its peers of the other groups, whose
+    lists are the same in every place, so every rank of a group ends with the same list)."""
+    rank = dist.get_rank(group)
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, lengths, group=group)
     moves = rebalance_moves(gathered)
     given = {i for src, i, _ in moves if src == rank}
     mine = [item for i, item in enumerate(items) if i not in given]
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)  # noqa: E731
     for src, dst in sorted({(src, dst) for src, _, dst in moves}):
         if rank == src:
-            dist.send_object_list([[items[i] for s, i, d in moves if (s, d) == (src, dst)]], dst=dst)
+            dist.send_object_list([[items[i] for s, i, d in moves if (s, d) == (src, dst)]], dst=peer(dst))
         elif rank == dst:
             received = [None]
-            dist.recv_object_list(received, src=src)
+            dist.recv_object_list(received, src=peer(src))
             mine += received[0]
     return mine, len(moves)
 

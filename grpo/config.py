@@ -11,11 +11,12 @@ import os
 import typing
 from dataclasses import dataclass, field
 
-from grpo.attention import PACKED_ATTENTION
+from grpo.attention import OWN_PACKED_ATTENTION, PACKED_ATTENTION
 from grpo.logger import LOGGERS
 from grpo.mismatch import config_problem as mismatch_problem
 from grpo.optim import config_problem as optimizer_problem
 from grpo.partial import config_problem as partial_problem
+from grpo.sequence_parallel import config_problem as sequence_parallel_problem
 from grpo.tools import tools_problem
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -80,6 +81,9 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by token budget instead of micro_batch_size
     max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
     balance_ranks: bool = True  # with a token budget: move a few sequences so every rank has as many tokens
+    # > 1: groups of this many ranks share each sequence of the training forward (Ulysses over the heads, the vision
+    # tower split by image; sequence_parallel.py); data parallelism is over the groups, token budgets count a group's
+    sequence_parallel_size: int = 1
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6
     weight_decay: float = 1e-2
@@ -330,6 +334,16 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
             f"{a.global_batch_size}/{world_size} x {r.n} = {seqs_per_rank} sequences per optimizer "
             f"step, which actor.micro_batch_size={a.micro_batch_size} must divide"
         )
+    sp = a.sequence_parallel_size
+    if sp < 1 or world_size % sp:
+        raise ConfigError(f"actor.sequence_parallel_size={sp} must be >= 1 and divide the {world_size} ranks")
+    if sp > 1 and not (a.padding_free and a.attn_implementation in OWN_PACKED_ATTENTION):
+        raise ConfigError(
+            f"actor.sequence_parallel_size={sp} cuts packed rows: it needs actor.padding_free=true and "
+            f"actor.attn_implementation in {OWN_PACKED_ATTENTION}"
+        )
+    if sp > 1 and (problem := sequence_parallel_problem(a.model_path)):
+        raise ConfigError(f"actor.sequence_parallel_size={sp}: {problem}")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed (see requirements*.txt), or use engine=hf")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:

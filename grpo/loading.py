@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from grpo import moe
+from grpo import moe, sequence_parallel
 from grpo.attention import resolve_attention, use_varlen_in_vision_tower
 from grpo.families import FAMILIES, SUPPORTED_MODEL_TYPES, family, processor_problem, unsupported_type
 from grpo.linear_attention import use_packed_forward
@@ -358,4 +358,7 @@ def load_policy_and_reference(actor, device, with_reference, pad_id):
         )
         ref_model.requires_grad_(False).eval()
         root_forward(ref_model, pad_id)
+    for m in {id(model): model, id(ref_model): ref_model}.values():
+        if m is not None:  # its training forwards cut each sequence over a group of ranks (none: size 1)
+            sequence_parallel.attach(m, actor.sequence_parallel_size)
     return model, ref_model

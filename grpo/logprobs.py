@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from grpo import sequence_parallel
 from grpo.attention import PackedLayout
 from grpo.lora import LORA_ADAPTER
 
@@ -47,7 +48,7 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
     h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logps, entropies = [], []
-    for i in range(0, h.shape[0], chunk_size):
+    for i in range(0, max(h.shape[0], 1), chunk_size):  # (no tokens: one empty chunk, so the weight gets its grad)
         args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy)
         if grad:
             logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
@@ -235,7 +236,14 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
         # no mask: for one unpadded row attention.py's attentions build none (_register_attention), which leaves the
         # row to the PackedLayout; flash-attention builds none either (it finds the sequences in the text positions)
         extra = {"position_ids": position_ids, "attention_mask": None, "packed_layout": layout}
-        flat = _call_with_head(model, inputs, flat_labels, temperature, with_entropy, entropy_grad, keep, **extra)
+
+        def call(y, rows, ex):  # the forward, its head on the hidden states at `rows` predicting labels y
+            return _call_with_head(model, inputs, y, temperature, with_entropy, entropy_grad, rows, **ex)
+
+        if sequence_parallel.of(model) is None:
+            flat = call(flat_labels, keep, extra)
+        else:  # the row cut over the group's ranks, the head on each rank's rows
+            flat = sequence_parallel.call_with_head(call, model, inputs, flat_labels, keep, layout, extra)
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
         out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)

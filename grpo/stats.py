@@ -20,6 +20,7 @@ class StepStats(dict):
     def __init__(self):
         super().__init__()
         self.kinds: dict[str, str] = {}  # key -> how it reduces (SHARE, COUNT, LAST); raw sums have none
+        self.copies = 1  # ranks that record the same shares (a sequence-parallel group's): counted once
 
     def __missing__(self, key):  # a running sum starts at 0 (read without being stored)
         return 0.0
@@ -51,6 +52,6 @@ class StepStats(dict):
         shared = sorted(set().union(*every))
         totals = torch.tensor([self.get(k, 0.0) for k in shared], dtype=torch.float64)  # (K,)
         dist.all_reduce(totals)
-        out = {k: v / max(optimizer_steps, 1.0) for k, v in zip(shared, totals.tolist())}
+        out = {k: v / max(optimizer_steps, 1.0) / self.copies for k, v in zip(shared, totals.tolist())}
         out.update({k: self[k] for k, kind in self.kinds.items() if kind != SHARE})
         return out

@@ -13,6 +13,8 @@ The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a 
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
 each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
 TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out logprobs.add_vision_dummy.
+VIDEO=1 takes the video demo's prompts instead (a clip each). Rank 0 also saves the step's metrics reduced over ranks
+and each rank's vision tower patches.
 """
 
 import os
@@ -26,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import distributed, loading  # noqa: E402
+from grpo import distributed, loading, mismatch, sequence_parallel  # noqa: E402
 from grpo.stats import StepStats  # noqa: E402
 
 PROMPTS, N = 4, 2
@@ -47,6 +49,41 @@ def synthetic_prompts(processor, text_only=()):
         out = processor(text=[text], images=[img], return_tensors="pt")
         prompts.append(rollout.Prompt(out["input_ids"][0], out["pixel_values"], out["image_grid_thw"], [img]))
     return prompts
+
+
+def video_prompts(processor, tmp_dir):
+    """PROMPTS prompts of the video demo's task (configs/tiny_video.yaml's frame budget), through the data path."""
+    from data import PromptDataset
+    from grpo.samples import encode_prompt
+    from scripts.make_synthetic_data import make_video_count_task
+
+    path = make_video_count_task(os.path.join(tmp_dir, f"videos{dist.get_rank()}.parquet"), n_rows=PROMPTS)
+    ds = PromptDataset(path, processor, format_prompt="", min_pixels=3136, max_pixels=3136, max_frames=4,
+                       video_min_pixels=3136, video_max_pixels=3136, max_prompt_length=128)  # fmt: skip
+    return [encode_prompt(processor, ds[i]) for i in range(PROMPTS)]
+
+
+def count_vision_patches(model):
+    """Record in model.vision_patches the patches of this rank's forwards' images and videos ("inputs"), and of
+    every vision tower pass ("real"; blank dummies apart), the forwards and the tower's passes."""
+    model.vision_patches = {"inputs": 0, "real": 0, "dummy": 0, "forwards": 0, "passes": 0}
+    tower = model.model.visual
+
+    def inputs(module, args, kwargs):
+        for key in ("pixel_values", "pixel_values_videos"):
+            model.vision_patches["inputs"] += len(kwargs[key]) if kwargs.get(key) is not None else 0
+        model.vision_patches["forwards"] += 1
+
+    model.model.register_forward_pre_hook(inputs, with_kwargs=True)
+
+    def count(module, args, kwargs):
+        grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        side = tower.config.spatial_merge_size
+        dummy = grid.tolist() == [[1, side, side]]
+        model.vision_patches["dummy" if dummy else "real"] += int(grid.prod(-1).sum())
+        model.vision_patches["passes"] += 1
+
+    tower.register_forward_pre_hook(count, with_kwargs=True)
 
 
 def main():
@@ -85,7 +122,10 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
     text_only = [int(i) for i in os.environ.get("TEXT_ONLY", "").split(",") if i]
-    prompts = synthetic_prompts(processor, text_only)
+    if os.environ.get("VIDEO"):
+        prompts = video_prompts(processor, os.path.dirname(os.path.abspath(out_path)))
+    else:
+        prompts = synthetic_prompts(processor, text_only)
     samples, ref_logps = [], []
     for p in range(PROMPTS):
         for _ in range(N):
@@ -106,6 +146,8 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     model = loading.load_model(model_dir, device, "sdpa", gradient_checkpointing=True)
     loading.apply_fsdp(model, device)
     loading.root_forward(model, processor.tokenizer.pad_token_id)
+    sequence_parallel.attach(model, cfg.actor.sequence_parallel_size)
+    count_vision_patches(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = StepStats()
@@ -117,10 +159,14 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    counts = [None] * world
+    counts, patches = [None] * world, [None] * world
     dist.all_gather_object(counts, stats["actor/micro_batches"])
+    dist.all_gather_object(patches, model.vision_patches)
+    metrics = stats.metrics(stats["actor/optimizer_steps"])  # reduced over ranks, as the trainer logs them
+    metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # the trainer/engine gap (placeholder engine logps)
     if rank == 0:
-        torch.save({"state": state, "stats": dict(stats), "micro_batches": counts}, out_path)
+        torch.save({"state": state, "stats": dict(stats), "metrics": metrics, "micro_batches": counts,
+                    "vision_patches": patches}, out_path)  # fmt: skip
     dist.barrier()
 
 
