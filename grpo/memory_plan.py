@@ -452,6 +452,7 @@ class Settings:
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
     mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
+    sp: int = 1  # actor.sequence_parallel_size: ranks that share each micro-batch's tokens (and its images' patches)
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -508,7 +509,10 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
 
     # Activations of one training micro-batch (bf16, 2 B an element). Its images can have at most merge^2 patches per
     # LM token, all in the vision tower at once; the tower's blocks are checkpointed like the decoder layers.
-    t, patches = x.train_tokens, x.train_tokens * s.merge**2
+    # Sequence parallelism: a rank holds 1/sp of the tokens and encodes 1/sp of the patches (sequence_parallel.py),
+    # beside the whole row's merged embeddings and the group's gathered vision embeddings, before the cut (bf16)
+    whole = 2 * 2 * x.train_tokens * s.hidden if x.sp > 1 else 0
+    t, patches = math.ceil(x.train_tokens / x.sp), math.ceil(x.train_tokens / x.sp) * s.merge**2
     # (an MoE token's activations are those of its top-k experts: the MLP width it goes through)
     lm_kept, lm_extra = layer_elems(s.hidden, kv, s.active_intermediate, x.checkpointing, rope=2 * s.dim)
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
@@ -519,14 +523,15 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # The peak is at the top of the LM's backward (every layer's saved activations, and the head or one layer's
     # backward) or later at the vision tower's (the LM's activations are freed by then): (grads, activations).
     # (With LoRA only the adapters have gradients: a frozen base still passes them down, so activations are the same.)
-    top = (2 * trains["root"] + 6 * trains["layer"], lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))
-    bottom = (2 * trains["root"] + 6 * trains["vision"], vis_saved + 2 * patches * vis_extra)
+    top = (2 * trains["root"] + 6 * trains["layer"],
+           whole + lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))  # fmt: skip
+    bottom = (2 * trains["root"] + 6 * trains["vision"], whole + vis_saved + 2 * patches * vis_extra)
     unit_grads, activations = top if frozen_tower or sum(top) >= sum(bottom) else bottom
     # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
-    tn = x.nograd_tokens
-    nograd = max(
+    tn = math.ceil(x.nograd_tokens / x.sp)
+    nograd = (2 * 2 * x.nograd_tokens * s.hidden if x.sp > 1 else 0) + max(
         2 * tn * (4 * s.hidden + 3 * s.active_intermediate),
         2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
     )
@@ -659,6 +664,11 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
                             "moments for the adapters only)"))  # fmt: skip
     if not x.checkpointing and fits(checkpointing=True):
         out.append(("activations", "set actor.gradient_checkpointing=true"))
+    # a sequence too long for one GPU's activations: share it over a group of ranks (Ulysses needs the group to
+    # divide the attention heads, and the ranks)
+    groups = [k for k in (2, 4, 8, 16, 32) if k > x.sp and x.world % k == 0 and shape.heads % k == 0]
+    if best := next((k for k in groups if fits(sp=k)), None):
+        out.append(("activations", f"set actor.sequence_parallel_size={best} (each sequence shared by {best} ranks)"))
     if x.engine == "vllm" and x.sleep_level == 0 and fits(sleep_level=1):
         out.append(("vllm awake", "set rollout.sleep_level=-1 (vLLM gives its memory back while the trainer works)"))
     if x.engine == "hf" and fits(engine="vllm"):
@@ -776,6 +786,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
         mm_cache_gb=r.mm_cache_gb,
+        sp=a.sequence_parallel_size,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),

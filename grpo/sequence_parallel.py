@@ -251,11 +251,13 @@ def call_with_head(call, model, inputs, labels, keep, layout, extra):
 
 
 def assign_items(patches: list[int], size: int) -> list[int]:
-    """Owner rank of each image/video (by its patch count): the largest first to the least loaded rank (LPT)."""
-    loads, owner = [0] * size, [0] * len(patches)
-    for i in sorted(range(len(patches)), key=lambda i: -patches[i]):
-        r = loads.index(min(loads))
-        owner[i], loads[r] = r, loads[r] + patches[i]
+    """Owner rank of each image/video clip, in order (patches: each one's patch count): contiguous runs balanced by
+    patches, each item to the rank whose share of the total holds its middle. Contiguous, so a rank's pixels are one
+    slice of the forward's (no copy), and mostly the images of its own part of the sequence."""
+    total, before, owner = max(sum(patches), 1), 0, []
+    for n in patches:
+        owner.append(min(size - 1, int((before + n / 2) * size / total)))
+        before += n
     return owner
 
 
@@ -300,14 +302,15 @@ def encode_split(model, inputs, sp) -> dict:
             pixels.append(inputs[key])
             grids.append(inputs[grid_key])
     n_images = len(inputs["image_grid_thw"]) if inputs.get("pixel_values") is not None else 0
-    pixels, grids = torch.cat(pixels), torch.cat(grids)  # (patches, C*T*P*P), (items, 3)
+    pixels = pixels[0] if len(pixels) == 1 else torch.cat(pixels)  # (patches, C*T*P*P) (one kind: no copy)
+    grids = torch.cat(grids)  # (items, 3)
     patches = grids.prod(-1).tolist()
     owner = assign_items(patches, sp.size)
     starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
     mine = [i for i in range(len(patches)) if owner[i] == sp.rank]
-    if mine:
-        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine]).to(pixels.device)
-        out = type(inner).get_image_features(inner, pixels[rows], grids[mine], return_dict=True)
+    if mine:  # (contiguous: a view of the forward's pixels)
+        rows = slice(starts[mine[0]], starts[mine[-1] + 1])
+        out = type(inner).get_image_features(inner, pixels[rows], grids[mine[0] : mine[-1] + 1], return_dict=True)
         local = torch.cat(out.pooler_output)  # (tokens of my items, H)
     else:  # no item for this rank: the tower still runs once (its FSDP2 collectives), on a blank image, and its
         # backward must come after the gather's, as on the other ranks: the dummy reaches autograd through `local`

@@ -451,6 +451,8 @@ def test_plan_that_does_not_fit_names_the_key(monkeypatch, capsys):
         # (76.0 - 3.86 params - 7.72 adam - 1.93 reference - 2.0 runtime) / 80 = 0.756
         (["rollout.gpu_memory_utilization=0.9"], "lower rollout.gpu_memory_utilization from 0.9 to 0.75"),
         (["actor.max_tokens_per_micro_batch=131072"], "lower actor.max_tokens_per_micro_batch from 131072 to"),
+        # a 131,072-token sequence: 2 ranks hold 123,674 tokens' activations, 4 ranks 239,376 (28 heads: not 8)
+        (["actor.max_tokens_per_micro_batch=131072"], "set actor.sequence_parallel_size=4"),
         (["actor.max_tokens_per_micro_batch=0", "actor.micro_batch_size=16"], "lower actor.micro_batch_size from 16"),
         (["actor.max_tokens_per_micro_batch_no_grad=400000"], "lower actor.max_tokens_per_micro_batch_no_grad"),
         (["actor.gradient_checkpointing=false"], "set actor.gradient_checkpointing=true"),
@@ -467,6 +469,17 @@ def test_each_lever_is_named(overrides, advice):
     only, and the advice names the key of that part."""
     problem = plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE + overrides), 8))
     assert problem is not None and advice in problem, problem
+
+
+def test_sequence_parallel_splits_the_activations():
+    """Guards against a plan that does not see the split (or splits what stays whole): at size k a rank's update
+    activations are a k-th of size 1's, plus the whole row's merged and gathered embeddings."""
+    plan = plan_memory(load_config("configs/geo3k.yaml", NODE), 8)
+    x, t, h = plan.settings, plan.settings.train_tokens, plan.shape.hidden
+    one = memory_plan.compute_plan(plan.shape, x)["phases"]["update"]["activations"]
+    for k in (2, 4):
+        split = memory_plan.compute_plan(plan.shape, dataclasses.replace(x, sp=k, train_tokens=k * t))
+        assert split["phases"]["update"]["activations"] == pytest.approx(one + 2 * 2 * k * t * h, rel=1e-3)
 
 
 def test_slurm_mem_below_the_host_plan_stops(monkeypatch):

@@ -16,7 +16,7 @@ _DONE = {}
 
 def _updates(tiny_model_dir, tmp_path, world, micro, mode, *override_sets):
     """dist_update_check's step under each set of overrides; those not run yet in one launch."""
-    env = tuple(os.environ.get(k, "") for k in ("EXTRA_EMPTY_MICRO_BATCH", "NO_VISION_DUMMY", "TEXT_ONLY"))
+    env = tuple(os.environ.get(k, "") for k in ("EXTRA_EMPTY_MICRO_BATCH", "NO_VISION_DUMMY", "TEXT_ONLY", "VIDEO"))
     keys = [(tiny_model_dir, world, micro, mode, tuple(overrides), env) for overrides in override_sets]
     todo = list(dict.fromkeys(k for k in keys if k not in _DONE))
     if todo:
@@ -83,6 +83,33 @@ def test_shared_prefix_keeps_the_update_over_ranks(tiny_model_dir, tmp_path):
         assert shared["micro_batches"][0] == shared["micro_batches"][1]
         assert sum(shared["micro_batches"]) < sum(unshared["micro_batches"])
         _assert_same_weights(full, shared)
+
+
+@pytest.mark.parametrize("media", ["image", "video"])
+def test_sequence_parallel_keeps_the_step(tiny_model_dir, tmp_path, monkeypatch, media):
+    """Guards against sequence parallelism changing the step: 2 ranks as one group (each sequence cut in two,
+    Ulysses attention, the vision tower split by image) must give the weights, loss, KL, entropy, gradient norm and
+    trainer/engine gap of 2 data-parallel ranks -- with shared prefixes and a token budget (counted per group), on
+    the image prompts and on the video demo's clips. A token counted on both ranks of the group, a gradient lost in
+    an all-to-all or an image's embedding sent back without its gradient changes them. And each image or clip is
+    encoded once per group: the group's tower passes together see each forward's patches exactly once."""
+    if media == "video":
+        monkeypatch.setenv("VIDEO", "1")
+    budget = "actor.max_tokens_per_micro_batch=256"
+    plain, split = _updates(
+        tiny_model_dir, tmp_path, 2, 1, "token-mean", [budget], [budget, "actor.sequence_parallel_size=2"]
+    )
+    _assert_same_weights(plain, split)
+    for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "rollout/logprob_diff_mean"):
+        assert split["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-5), key
+    # the group's two ranks run the same micro-batches, and each its own share of their images or clips
+    inputs = [p["inputs"] for p in split["vision_patches"]]
+    assert inputs[0] == inputs[1] > 0
+    assert sum(p["real"] for p in split["vision_patches"]) == inputs[0]
+    assert all(0 < p["real"] < inputs[0] for p in split["vision_patches"])
+    assert all(p["passes"] == p["forwards"] for p in split["vision_patches"])  # one tower pass per forward
+    for p in plain["vision_patches"]:  # data-parallel: each rank encodes what it holds
+        assert p["real"] == p["inputs"]
 
 
 def test_surplus_micro_batch_adds_nothing(tiny_model_dir, tmp_path, monkeypatch):

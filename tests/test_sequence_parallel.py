@@ -1,0 +1,178 @@
+"""The pieces of sequence parallelism (grpo/sequence_parallel.py) against one-rank references: the cut of a packed
+row's positions and layout, the head's rows, the items' owners, and, on 2 gloo ranks, the all-to-all, the gathers
+and Ulysses attention with their gradients. The whole step's parity is in test_train.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo import sequence_parallel as sp_mod
+from grpo.attention import PackedLayout, sdpa_packed
+from tests.launch import free_port
+
+
+def test_cut_positions_and_layout_pad_to_the_group():
+    """Guards against a cut that loses or shifts tokens: the slices of the (4, 1, L) positions, padded to a multiple
+    of the group, put back together are the positions then zeros; the padding is a segment of its own, so the
+    packing bounds (cu_seqlens) of the real sequences stay as they were."""
+    positions = torch.arange(4 * 7).view(4, 1, 7)  # (4, 1, L), L = 7
+    slices = [sp_mod.cut_positions(positions, 2, r) for r in range(2)]
+    assert [s.shape[-1] for s in slices] == [4, 4]
+    whole = torch.cat(slices, -1)
+    assert torch.equal(whole[..., :7], positions) and not whole[..., 7:].any()
+    layout = PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 7, 0, 3)], 7, "cpu")  # a prompt and two answers
+    split = sp_mod.split_layout(layout, 2)
+    assert split.length == 8 and split.segments == [*layout.segments, (7, 8, 0, 0)]
+    _, cu_q, cu_k, _, _ = split.varlen_args()
+    assert cu_q.tolist() == [*layout.varlen_args()[1].tolist(), 8]
+    assert cu_k.tolist() == [*layout.varlen_args()[2].tolist(), layout.varlen_args()[2][-1].item() + 1]
+    assert sp_mod.split_layout(PackedLayout.sequences([4, 4], "cpu"), 2).segments == [(0, 4, 0, 0), (4, 8, 0, 0)]
+
+
+def test_head_rows_put_the_group_rows_back_in_order():
+    """Guards against log-probs landing on the wrong tokens: each rank's rows of `keep` (not sorted: a group's second
+    answer is predicted from its prompt's last position again), gathered in rank order and permuted back, are keep's
+    rows in keep's order."""
+    keep = torch.tensor([2, 5, 6, 2, 7, 3, 9])  # row positions of a length-10 row
+    values = keep * 10  # what the head gives at each position
+    gathered, local = [], []
+    for rank in range(2):
+        group = type("SP", (), {"size": 2, "rank": rank})()
+        positions, mine, back, counts = sp_mod.head_rows(keep, 10, group)
+        assert (positions + rank * 5).tolist() == keep[mine].tolist() and all(0 <= p < 5 for p in positions)
+        gathered.append(values[mine])
+        local.append(counts)
+    assert local[0] == local[1] == [3, 4]
+    assert torch.equal(torch.cat(gathered)[back], values)
+
+
+def test_assign_items_balances_patches():
+    """Guards against one rank encoding most of the pixels, or a rank's items not being one contiguous run."""
+    patches = [16, 16, 64, 16, 16, 16, 16]
+    owner = sp_mod.assign_items(patches, 2)
+    assert owner == sorted(owner)  # contiguous runs in rank order
+    loads = [sum(p for p, o in zip(patches, owner) if o == r) for r in range(2)]
+    assert loads == [96, 64]
+    assert sp_mod.assign_items([4], 2) == [1]  # one image: one rank encodes it, the other runs the blank one
+    assert sp_mod.assign_items([8, 8, 8, 8], 4) == [0, 1, 2, 3]
+
+
+def _ranks(rank, port, fn):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        fn(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(fn):
+    mp.start_processes(_ranks, args=(free_port(), fn), nprocs=2, start_method="fork")
+
+
+def _all_to_all_and_gathers(rank):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    x_all = torch.randn(1, 4, 6, 3, generator=g)  # (1, heads, L, D): the whole sequence
+    w = torch.randn(1, 4, 6, 3, generator=g)
+    x = x_all[:, :, rank * 3 : (rank + 1) * 3].clone().requires_grad_()  # this rank's tokens, every head
+    heads = sp_mod.all_to_all(x, 1, 2, group)  # (1, 2, 6, 3): this rank's heads, every token
+    assert torch.equal(heads, x_all[:, rank * 2 : (rank + 1) * 2])
+    assert torch.equal(sp_mod.all_to_all(heads, 2, 1, group), x)  # and back
+    (heads * w[:, rank * 2 : (rank + 1) * 2]).sum().backward()
+    # the one-rank loss is (x_all * w).sum(): its gradient at this rank's tokens is w there
+    assert torch.equal(x.grad, w[:, :, rank * 3 : (rank + 1) * 3])
+
+    # gathers of uneven rows: the vision embeddings (gradients summed, each rank keeps its own) and the head's rows
+    counts = [2, 3]
+    rows = torch.arange(5.0)[:, None].repeat(1, 2)  # (5, 2)
+    mine = rows[sum(counts[:rank]) : sum(counts[: rank + 1])].clone().requires_grad_()
+    for sum_grads in (True, False):
+        mine.grad = None
+        out = sp_mod.gather_rows(mine, counts, group, sum_grads)
+        assert torch.equal(out, rows)
+        scale = torch.tensor([1.0, 2.0])[rank]  # each rank's loss weighs the rows differently
+        (out * scale).sum().backward()
+        want = 3.0 if sum_grads else scale.item()  # summed over the group, or this rank's own
+        assert torch.equal(mine.grad, torch.full_like(mine, want))
+    empty = torch.zeros(0, 2, requires_grad=True) if rank == 1 else rows[:5].clone().requires_grad_()
+    out = sp_mod.gather_rows(empty, [5, 0], group, True)  # a rank with no rows still joins, and gets its (empty) grad
+    out.sum().backward()
+    assert out.shape == (5, 2) and empty.grad.shape == empty.shape
+
+
+def test_all_to_all_and_gathers_with_autograd():
+    """Guards against the exchanges losing or misplacing values or gradients: the all-to-all's round trip is the
+    identity and its backward gives each rank the one-rank gradient at its tokens; the vision gather's backward sums
+    the group's gradients, the head gather's keeps each rank's own."""
+    _run(_all_to_all_and_gathers)
+
+
+class _Attention(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def _ulysses(rank):
+    g = torch.Generator().manual_seed(1)
+    length, d = 7, 4
+    layout = PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 7, 0, 3)], length, "cpu")  # a prompt, two answers
+    for hq, hkv in ((2, 1), (4, 2)):  # key/value heads the group does not divide (repeated), and ones it does
+        module = _Attention(hq // hkv)
+        q_all = torch.randn(1, hq, length, d, generator=g)
+        k_all, v_all = torch.randn(2, 1, hkv, length, d, generator=g)
+        w = torch.randn(1, length, hq, d, generator=g)
+        leaves = [t.clone().requires_grad_() for t in (q_all, k_all, v_all)]
+        ref, _ = sdpa_packed(module, *leaves, None, packed_layout=layout, scaling=d**-0.5)  # (1, L, Hq, D)
+        (ref * w).sum().backward()
+
+        split = sp_mod.split_layout(layout, 2)
+        split.sequence_parallel = sp_mod.SequenceParallel.__new__(sp_mod.SequenceParallel)
+        split.sequence_parallel.size, split.sequence_parallel.rank = 2, rank
+        split.sequence_parallel.group = dist.group.WORLD
+        start, end = rank * 4, (rank + 1) * 4
+        pad = lambda t: torch.cat([t, t.new_zeros(1, t.shape[1], 1, d)], 2)  # noqa: E731  (L 7 -> 8)
+        mine = [pad(t)[:, :, start:end].detach().requires_grad_() for t in (q_all, k_all, v_all)]
+        out, _ = sp_mod.ulysses_attention(sdpa_packed, module, *mine, None, packed_layout=split, scaling=d**-0.5)
+        assert module.num_key_value_groups == hq // hkv  # restored
+        real = min(end, length) - start
+        torch.testing.assert_close(out[:, :real], ref[:, start : start + real])
+        (out[:, :real] * w[:, start : start + real]).sum().backward()
+        # the one-rank gradients at this rank's tokens (the padding's own gradient is its business)
+        for leaf, part in zip(leaves, mine):
+            total = [torch.empty_like(part.grad) for _ in range(2)]
+            dist.all_gather(total, part.grad.contiguous())
+            whole = torch.cat(total, 2)[:, :, :length]
+            torch.testing.assert_close(whole, leaf.grad)
+
+
+def test_ulysses_attention_matches_one_rank():
+    """Guards against Ulysses attention differing from attention over the whole row: on 2 ranks, each with half of
+    a packed row of a prompt and its two answers (shared prefix, padded to even), the output and the query, key and
+    value gradients equal one rank's sdpa_packed, for grouped key/value heads fewer than the group (repeated) and
+    as many."""
+    _run(_ulysses)
+
+
+@pytest.mark.parametrize("size,world", [(3, 4), (0, 2)])
+def test_config_refuses_a_group_that_does_not_divide_the_ranks(size, world):
+    from train_grpo import ConfigError, check_config, load_config
+
+    cfg = load_config(None, [f"actor.sequence_parallel_size={size}", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match="actor.sequence_parallel_size"):
+        check_config(cfg, world)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5_moe"])
+def test_config_refuses_families_the_cut_does_not_handle(tmp_path, model_type):
+    """Guards against silently wrong log-probs where the cut is not done yet (deepstack inputs, linear attention's
+    state across the cut): a config error naming the key, before any model loads."""
+    from train_grpo import ConfigError, check_config, load_config
+
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    cfg = load_config(None, ["actor.sequence_parallel_size=2", "rollout.engine=hf", f"actor.model_path={tmp_path}"])
+    with pytest.raises(ConfigError, match="actor.sequence_parallel_size=2: Qwen"):
+        check_config(cfg, 2)
