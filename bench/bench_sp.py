@@ -135,7 +135,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(os.path.join(tmp, "model"), seed=0)
         for size in (1, 2):
-            mp.start_processes(rank_main, args=(free_port(), model_dir, size, args, tmp), nprocs=2, start_method="spawn")
+            ranks = (free_port(), model_dir, size, args, tmp)
+            mp.start_processes(rank_main, args=ranks, nprocs=2, start_method="spawn")
             per_rank = [int(open(os.path.join(tmp, f"{size}_{r}")).read()) for r in range(2)]
             peaks[size] = max(per_rank)
             print(f"sequence_parallel_size={size}: peak memory per rank {peaks[size] / 2**20:,.0f} MiB "
