@@ -16,7 +16,6 @@ from grpo.logger import LOGGERS
 from grpo.mismatch import config_problem as mismatch_problem
 from grpo.optim import config_problem as optimizer_problem
 from grpo.partial import config_problem as partial_problem
-from grpo.sequence_parallel import config_problem as sequence_parallel_problem
 from grpo.tools import tools_problem
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -342,8 +341,8 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
             f"actor.sequence_parallel_size={sp} cuts packed rows: it needs actor.padding_free=true and "
             f"actor.attn_implementation in {OWN_PACKED_ATTENTION}"
         )
-    if sp > 1 and (problem := sequence_parallel_problem(a.model_path)):
-        raise ConfigError(f"actor.sequence_parallel_size={sp}: {problem}")
+    if sp > 1 and a.router_aux_loss_coef > 0:  # each rank would weigh its slice's routing by the group's tokens
+        raise ConfigError(f"actor.sequence_parallel_size={sp} with actor.router_aux_loss_coef > 0 is not supported")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed (see requirements*.txt), or use engine=hf")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from grpo import sequence_parallel
+
 
 def use_packed_forward(model):
     """Give every linear-attention layer of a Qwen3.5 model the packed forward of this module for the calls that
@@ -44,6 +46,8 @@ def _packed_or_own(module, own_forward):
         layout = kwargs.pop("packed_layout", None)
         if layout is None or cache_params is not None or hidden_states.shape[0] != 1:
             return own_forward(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+        if getattr(layout, "sequence_parallel", None) is not None:  # a row cut over ranks: run it whole
+            return sequence_parallel.whole_sequence(packed_linear_attention, module, hidden_states, layout)
         return packed_linear_attention(module, hidden_states, layout)
 
     return forward

@@ -242,8 +242,11 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
 
         if sequence_parallel.of(model) is None:
             flat = call(flat_labels, keep, extra)
-        else:  # the row cut over the group's ranks, the head on each rank's rows
-            flat = sequence_parallel.call_with_head(call, model, inputs, flat_labels, keep, layout, extra)
+        else:  # the row cut over the group's ranks, the head on each rank's rows (and a rank without images of its
+            # own runs the tower on the blank one)
+            flat = sequence_parallel.call_with_head(
+                call, model, inputs, flat_labels, keep, layout, extra, lambda: _zero_of(vision_dummy(model))
+            )
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
         out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
@@ -264,6 +267,11 @@ def _tensors(out) -> list[torch.Tensor]:
         return [out]
     values = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else []
     return [t for v in values for t in _tensors(v)]
+
+
+def _zero_of(out) -> torch.Tensor:
+    """0, as a function of every tensor of a vision tower's output: what ties a dummy pass into autograd."""
+    return sum(t.float().sum() for t in _tensors(out)) * 0.0
 
 
 def vision_dummy(model):
@@ -356,7 +364,7 @@ def add_vision_dummy(model):
             passes.pop().__exit__(None, None, None)
         if pending:
             hidden = out.last_hidden_state
-            zero = sum(t.float().sum() for t in _tensors(pending.pop())) * 0.0
+            zero = _zero_of(pending.pop())
             out.last_hidden_state = hidden + zero.to(hidden.device, hidden.dtype)
         return out
 

@@ -6,8 +6,10 @@ attention call an all-to-all turns [its tokens, all heads] into [all tokens, its
 
 What is cut, and where:
 - the row after the vision merge: a pre-hook on the language model cuts the merged embeddings, the mRoPE position
-  ids (4, 1, L) and swaps the packed layout for the padded whole-row one (padding to a multiple of size is its own
-  segment, never attended to by a real token);
+  ids (4, 1, L) and Qwen3-VL's deepstack inputs (the rows of the vision tokens in the slice), and swaps the packed
+  layout for the padded whole-row one (padding to a multiple of size is its own segment, never attended to by a
+  real token); Qwen3.5's linear-attention layers, whose state runs through the sequence, gather the row back
+  (whole_sequence);
 - the LM head and log-probs: each rank keeps only the hidden states of its own slice (logits_to_keep), so the
   chunked head runs on its share; the (log-prob, entropy) rows are all-gathered in the order forward_logprobs wants,
   their backward keeping each rank's own rows (every rank of a group computes the same loss from them);
@@ -24,9 +26,7 @@ and FSDP2's gradient average over all ranks give the gradient of size 1.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -34,24 +34,6 @@ import torch.distributed as dist
 from grpo.attention import PackedLayout
 
 _GROUPS: dict[int, tuple] = {}  # size -> (this rank's group, the group of ranks at its place in every group)
-
-# model_type -> why sequence parallelism refuses it (what the cut does not handle yet)
-UNSUPPORTED = {
-    "qwen3_vl": "Qwen3-VL's deepstack inputs are not cut with their tokens yet",
-    "qwen3_vl_moe": "Qwen3-VL's deepstack inputs are not cut with their tokens yet",
-    "qwen3_5": "Qwen3.5's linear-attention state is not passed across the cut yet",
-    "qwen3_5_moe": "Qwen3.5's linear-attention state is not passed across the cut yet",
-}
-
-
-def config_problem(model_path: str) -> str | None:
-    """Why a checkpoint's family cannot be cut yet (from its config.json, when it is a local directory; a hub name is
-    checked when the model loads, by attach), or None."""
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return UNSUPPORTED.get(json.load(f).get("model_type"))
 
 
 def groups(size: int):
@@ -85,8 +67,6 @@ def attach(model, size: int) -> None:
     """Give `model` its sequence-parallel group (size > 1) and the hooks that cut its language model's input."""
     if size <= 1:
         return
-    if model.config.model_type in UNSUPPORTED:
-        raise ValueError(f"actor.sequence_parallel_size={size}: {UNSUPPORTED[model.config.model_type]}")
     model.sequence_parallel = SequenceParallel(size)
     model.model.language_model.register_forward_pre_hook(_cut_input, with_kwargs=True)
 
@@ -192,6 +172,12 @@ def _cut_input(module, args, kwargs):
     embeds = torch.cat([embeds, embeds.new_zeros(1, padded - embeds.shape[1], embeds.shape[2])], 1)
     kwargs["inputs_embeds"] = embeds[:, start:end]  # (1, L / size, H)
     kwargs["position_ids"] = cut_positions(kwargs["position_ids"], sp.size, sp.rank)  # (4, 1, L / size)
+    if kwargs.get("deepstack_visual_embeds") is not None:  # Qwen3-VL: the vision tokens' rows in this slice
+        mask = kwargs["visual_pos_masks"]  # (1, L)
+        mask = torch.cat([mask, mask.new_zeros(1, padded - mask.shape[1])], 1)
+        before, inside = int(mask[:, :start].sum()), int(mask[:, start:end].sum())
+        kwargs["visual_pos_masks"] = mask[:, start:end]
+        kwargs["deepstack_visual_embeds"] = [e[before : before + inside] for e in kwargs["deepstack_visual_embeds"]]
     split = split_layout(layout, sp.size)
     split.sequence_parallel = sp
     kwargs["packed_layout"] = split
@@ -221,6 +207,22 @@ def ulysses_attention(fn, module, query, key, value, attention_mask, **kwargs):
     return all_to_all(out, 1, 2, sp.group), None  # (1, L / size, Hq, D)
 
 
+def whole_sequence(fn, module, hidden_states, layout):
+    """A linear-attention layer (Qwen3.5's gated delta net) on a cut row: its recurrent state runs through the whole
+    sequence, so the group all-gathers the row, each rank runs `fn` (linear_attention.packed_linear_attention) over
+    all of it and keeps its own slice of the output. Exact and simple, at the price of these layers' activations and
+    compute at full length on every rank (the full-attention layers, most of the memory at long lengths in a hybrid
+    model's 1-in-4, stay split). Passing the state along the ranks instead would split them too, but serialises
+    the group (rank r waits for rank r-1's final state) and needs the convolution's last tokens and the state's
+    gradient passed back the same way. The gather's backward sums the group's gradients: each rank's output slice
+    depends on every rank's input. hidden_states (1, L/size, H) -> (1, L/size, H)."""
+    sp = layout.sequence_parallel
+    step = hidden_states.shape[1]
+    whole = gather_rows(hidden_states[0], [step] * sp.size, sp.group, sum_grads=True)[None]  # (1, L, H)
+    out = fn(module, whole, layout)  # (1, L, H)
+    return out[:, sp.rank * step : (sp.rank + 1) * step]
+
+
 def head_rows(keep: torch.Tensor, length: int, sp: SequenceParallel):
     """Which of the row positions `keep` (R,) fall in each rank's slice: (this rank's positions in its slice,
     which of the R are its rows, the permutation that puts the group's gathered rows back in keep's order,
@@ -234,13 +236,14 @@ def head_rows(keep: torch.Tensor, length: int, sp: SequenceParallel):
     return keep[mine] - start, mine, torch.argsort(order), counts
 
 
-def call_with_head(call, model, inputs, labels, keep, layout, extra):
+def call_with_head(call, model, inputs, labels, keep, layout, extra, blank):
     """forward_logprobs's packed call under sequence parallelism: `call(labels, keep, extra)` runs the model with the
-    head on this rank's rows only; returns the group's rows (1, R, 1 or 2) in keep's order."""
+    head on this rank's rows only; returns the group's rows (1, R, 1 or 2) in keep's order. `blank()`: a vision
+    tower pass on a blank image, as 0 tied into autograd (for a rank that has no image of its own to encode)."""
     sp = model.sequence_parallel
     local_keep, mine, back, counts = head_rows(keep, layout.length, sp)
     layout.sequence_parallel = sp
-    with split_vision(model, inputs, sp):
+    with split_vision(model, inputs, sp, blank):
         out = call(labels[:, mine], local_keep, extra)  # (1, R_rank, 1 or 2)
     rows = gather_rows(out[0], counts, sp.group, sum_grads=False)  # (R, 1 or 2), in rank order
     return rows[back][None]
@@ -265,8 +268,8 @@ class split_vision:
     """Within it, the model's get_image_features/get_video_features return this forward's images and videos encoded
     by the group, each by one rank (one tower pass per rank, as add_vision_dummy requires)."""
 
-    def __init__(self, model, inputs, sp):
-        self.model, self.inputs, self.sp, self.encoded = model, inputs, sp, None
+    def __init__(self, model, inputs, sp, blank):
+        self.model, self.inputs, self.sp, self.blank, self.encoded = model, inputs, sp, blank, None
 
     def __enter__(self):
         inner, inputs = self.model.model, self.inputs
@@ -275,7 +278,7 @@ class split_vision:
 
         def get(kind):
             if self.encoded is None:
-                self.encoded = encode_split(self.model, inputs, self.sp)
+                self.encoded = encode_split(self.model, inputs, self.sp, self.blank)
             return self.encoded[kind]
 
         inner.get_image_features = lambda pixel_values=None, image_grid_thw=None, **kwargs: get("image")
@@ -287,12 +290,10 @@ class split_vision:
             vars(self.model.model).pop(name, None)
 
 
-def encode_split(model, inputs, sp) -> dict:
+def encode_split(model, inputs, sp, blank) -> dict:
     """{"image": ..., "video": ...} as get_image_features/get_video_features return them, from this rank's share of
     the items (assign_items) and the group's all-gather of every share's embeddings."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from grpo.logprobs import _tensors, vision_dummy
 
     inner = model.model
     merge = inner.visual.spatial_merge_size**2
@@ -308,28 +309,34 @@ def encode_split(model, inputs, sp) -> dict:
     owner = assign_items(patches, sp.size)
     starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
     mine = [i for i in range(len(patches)) if owner[i] == sp.rank]
+    hidden = inner.config.text_config.hidden_size
+    deep = len(getattr(inner.visual, "deepstack_visual_indexes", ()))  # Qwen3-VL: features for the first layers too
     if mine:  # (contiguous: a view of the forward's pixels)
         rows = slice(starts[mine[0]], starts[mine[-1] + 1])
         out = type(inner).get_image_features(inner, pixels[rows], grids[mine[0] : mine[-1] + 1], return_dict=True)
-        local = torch.cat(out.pooler_output)  # (tokens of my items, H)
+        # (tokens of my items, H x (1 + deep)): the embeddings and each deepstack layer's, side by side, so the
+        # group exchanges them in one gather
+        deep_features = getattr(out, "deepstack_features", None) or []
+        local = torch.cat([torch.cat(out.pooler_output), *(torch.cat(f) for f in deep_features)], -1)
     else:  # no item for this rank: the tower still runs once (its FSDP2 collectives), on a blank image, and its
         # backward must come after the gather's, as on the other ranks: the dummy reaches autograd through `local`
-        zero = sum(t.float().sum() for t in _tensors(vision_dummy(model))) * 0.0
-        width = inner.config.text_config.hidden_size
-        local = torch.zeros(0, width, device=pixels.device, dtype=inputs_dtype(model)) * zero.to(inputs_dtype(model))
+        zero = blank().to(inputs_dtype(model))
+        local = torch.zeros(0, hidden * (1 + deep), device=pixels.device, dtype=inputs_dtype(model)) * zero
     tokens = [p // merge for p in patches]
     counts = [sum(tokens[i] for i in range(len(patches)) if owner[i] == r) for r in range(sp.size)]
-    gathered = gather_rows(local, counts, sp.group, sum_grads=True)  # (all tokens, H), by rank then item
+    gathered = gather_rows(local, counts, sp.group, sum_grads=True)  # (all tokens, H x (1 + deep)), by rank, item
     pieces, at = {}, 0
     for r in range(sp.size):
         for i in (i for i in range(len(patches)) if owner[i] == r):
-            pieces[i] = gathered[at : at + tokens[i]]
+            pieces[i] = gathered[at : at + tokens[i]].split(hidden, -1)  # (embeddings, *deepstack layers')
             at += tokens[i]
     items = [pieces[i] for i in range(len(patches))]
-    return {
-        "image": BaseModelOutputWithPooling(pooler_output=tuple(items[:n_images])),
-        "video": BaseModelOutputWithPooling(pooler_output=tuple(items[n_images:])),
-    }
+    split = {}
+    for kind, part in (("image", items[:n_images]), ("video", items[n_images:])):
+        split[kind] = BaseModelOutputWithPooling(pooler_output=tuple(x[0] for x in part))
+        if deep:  # per layer, per item, as get_image_features gives them
+            split[kind].deepstack_features = [tuple(x[1 + j] for x in part) for j in range(deep)]
+    return split
 
 
 def inputs_dtype(model) -> torch.dtype:

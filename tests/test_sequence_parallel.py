@@ -67,7 +67,8 @@ def _ranks(rank, port, fn):
 
 
 def _run(fn):
-    mp.start_processes(_ranks, args=(free_port(), fn), nprocs=2, start_method="fork")
+    # spawned, not forked: a fork after the test process has started torch's thread pools can hang in them
+    mp.start_processes(_ranks, args=(free_port(), fn), nprocs=2, start_method="spawn")
 
 
 def _all_to_all_and_gathers(rank):
@@ -101,13 +102,6 @@ def _all_to_all_and_gathers(rank):
     assert out.shape == (5, 2) and empty.grad.shape == empty.shape
 
 
-def test_all_to_all_and_gathers_with_autograd():
-    """Guards against the exchanges losing or misplacing values or gradients: the all-to-all's round trip is the
-    identity and its backward gives each rank the one-rank gradient at its tokens; the vision gather's backward sums
-    the group's gradients, the head gather's keeps each rank's own."""
-    _run(_all_to_all_and_gathers)
-
-
 class _Attention(torch.nn.Module):
     is_causal = True
 
@@ -116,7 +110,12 @@ class _Attention(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-def _ulysses(rank):
+def _ulysses(kind, rank):
+    from grpo import attention
+    from tests.test_varlen import reference_varlen
+
+    attention.varlen_kernel = reference_varlen  # the CUDA path's kernel, as a CPU reference (this process only)
+    fn = getattr(attention, kind)
     g = torch.Generator().manual_seed(1)
     length, d = 7, 4
     layout = PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 7, 0, 3)], length, "cpu")  # a prompt, two answers
@@ -136,7 +135,7 @@ def _ulysses(rank):
         start, end = rank * 4, (rank + 1) * 4
         pad = lambda t: torch.cat([t, t.new_zeros(1, t.shape[1], 1, d)], 2)  # noqa: E731  (L 7 -> 8)
         mine = [pad(t)[:, :, start:end].detach().requires_grad_() for t in (q_all, k_all, v_all)]
-        out, _ = sp_mod.ulysses_attention(sdpa_packed, module, *mine, None, packed_layout=split, scaling=d**-0.5)
+        out, _ = sp_mod.ulysses_attention(fn, module, *mine, None, packed_layout=split, scaling=d**-0.5)
         assert module.num_key_value_groups == hq // hkv  # restored
         real = min(end, length) - start
         torch.testing.assert_close(out[:, :real], ref[:, start : start + real])
@@ -149,30 +148,28 @@ def _ulysses(rank):
             torch.testing.assert_close(whole, leaf.grad)
 
 
-def test_ulysses_attention_matches_one_rank():
-    """Guards against Ulysses attention differing from attention over the whole row: on 2 ranks, each with half of
-    a packed row of a prompt and its two answers (shared prefix, padded to even), the output and the query, key and
-    value gradients equal one rank's sdpa_packed, for grouped key/value heads fewer than the group (repeated) and
-    as many."""
-    _run(_ulysses)
+def _collectives(rank):
+    _all_to_all_and_gathers(rank)
+    for kind in ("sdpa_packed", "varlen_packed"):
+        _ulysses(kind, rank)
+
+
+def test_collectives_and_ulysses_attention_match_one_rank():
+    """Guards against the exchanges losing or misplacing values or gradients, on 2 gloo ranks (one launch: a rank's
+    start costs more than its checks). The all-to-all's round trip is the identity and its backward gives each rank
+    the one-rank gradient at its tokens; the vision gather's backward sums the group's gradients, the head gather's
+    keeps each rank's own. Ulysses attention, each rank with half of a packed row of a prompt and its two answers
+    (shared prefix, padded to even), gives the output and query, key and value gradients of one rank's sdpa_packed,
+    for grouped key/value heads fewer than the group (repeated) and as many, around the CPU attention and around the
+    CUDA one (its varlen kernel swapped for a CPU reference)."""
+    _run(_collectives)
 
 
 @pytest.mark.parametrize("size,world", [(3, 4), (0, 2)])
 def test_config_refuses_a_group_that_does_not_divide_the_ranks(size, world):
+    """Guards against groups that would straddle ranks, or none at all."""
     from train_grpo import ConfigError, check_config, load_config
 
     cfg = load_config(None, [f"actor.sequence_parallel_size={size}", "rollout.engine=hf"])
     with pytest.raises(ConfigError, match="actor.sequence_parallel_size"):
         check_config(cfg, world)
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_5_moe"])
-def test_config_refuses_families_the_cut_does_not_handle(tmp_path, model_type):
-    """Guards against silently wrong log-probs where the cut is not done yet (deepstack inputs, linear attention's
-    state across the cut): a config error naming the key, before any model loads."""
-    from train_grpo import ConfigError, check_config, load_config
-
-    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
-    cfg = load_config(None, ["actor.sequence_parallel_size=2", "rollout.engine=hf", f"actor.model_path={tmp_path}"])
-    with pytest.raises(ConfigError, match="actor.sequence_parallel_size=2: Qwen"):
-        check_config(cfg, 2)
