@@ -280,7 +280,7 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
         "rollout": {**states, "grads": 0, "vllm awake": 0.6 * 80 * GIB, "runtime": 2 * GIB},
         # policy, reference, read buffer, and vLLM's "runtime" pool: a block table of 256 sequences x 4096 / 16 blocks
         # (int32), a slot mapping of 16384 tokens (int64), 64 KiB for the attention builder, six sampling vectors of
-        # 256 (4 B): 455 KiB, one 2 MiB segment, pinned as 2 MiB
+        # 256 (4 B): 454 KiB, one 2 MiB segment, pinned as 2 MiB
         "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden + 2**21),
     }  # fmt: skip
 
