@@ -20,7 +20,12 @@ What is exact and what is estimated:
   context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free. The weight
   sync's layer reload (reload_peak: vLLM's largest layer, whole as sent and again as materialised) and, at sleep level
   1, vLLM's pinned host copy of its weights: torch's power-of-two rounding of each block exactly, vLLM's allocations
-  modelled from the model's tensors (vllm_tensors, pinned_copy).
+  modelled from the model's tensors (vllm_tensors, pinned_copy). From vLLM 0.32.0 on its sleep also copies its
+  "runtime" and "cudagraph" pools to pinned host memory, at every level (vllm sleep pools): the first holds the
+  runner's block tables, slot mappings and sampling vectors, sized from rollout.max_num_seqs and the sequence length
+  (vllm_runtime_pool; its attention builders' few buffers estimated), the second only CUDA graphs vLLM is asked to
+  copy, which the engine does not ask: empty. The plan is for a vLLM version (plan_memory's vllm_version; the
+  installed one by default), and counts them for 0.32 and later only.
 
 Videos cost what images cost per token: an LM token of a clip is merge^2 patches (each of temporal_patch frames),
 as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the
@@ -44,11 +49,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
 FIT_SHARE = 0.95  # a phase fits when it needs at most this share of the GPU; the rest is for fragmentation
-RUNTIME = 2 * GIB  # CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep (estimate)
+# CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep, and the few MiB of its "runtime"
+# pool and its scratch that 0.32+ maps again with the weights, before the sync (estimate)
+RUNTIME = 2 * GIB
 HEAD_CHUNK = 512  # tokens per LM-head chunk (logprobs.chunked_logprobs)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0  # the plan's node when no GPU is here and the config names none
 LORA_LEVER_RANK = 8  # the adapter rank a plan that does not fit suggests
@@ -406,6 +414,47 @@ def vllm_sleep_copy(s: ModelShape, tp: int) -> float:
     return sum(pinned_copy(2 * n // tp) for n in big) + 2 * rest / tp
 
 
+# vLLM's sleep (device_allocator/sleep_mode_backend.py, CuMemBackend.suspend) backs up its "runtime" and "cudagraph"
+# pools to pinned host memory at every level from 0.32.0 on, beside the weights at level 1; 0.26.0 to 0.31.0 back up
+# only the weights, at level 1 (read in each release's wheel)
+SLEEP_POOLS_SINCE = (0, 32)
+VLLM_BLOCK = 16  # tokens of vLLM's KV-cache block on CUDA (its default; hybrid models' attention blocks are larger)
+VLLM_BATCHED_TOKENS = 16384  # vLLM's LLM-class max_num_batched_tokens on an H100/H200 or larger (8192 on smaller GPUs)
+
+
+def sleep_backs_up_pools(vllm_version: str) -> bool:
+    """Whether this vLLM's sleep copies its "runtime" and "cudagraph" pools to host memory: from 0.32.0 on."""
+    major, minor = re.match(r"(\d+)\.(\d+)", vllm_version).groups()
+    return (int(major), int(minor)) >= SLEEP_POOLS_SINCE
+
+
+def pool_segments(sizes: list[int]) -> list[int]:
+    """The segments torch's CUDA caching allocator takes from a fresh pool for tensors of these sizes, in bytes: one
+    CuMemAllocator allocation each (c10/cuda/CUDACachingAllocator.cpp): tensors of up to 1 MiB share 2 MiB segments,
+    of 1-10 MiB 20 MiB ones, a larger one has its own, rounded up to 2 MiB. Packed as if nothing were freed between."""
+    mib = 2**20
+    small = sum(-(-n // 512) * 512 for n in sizes if n <= mib)  # (blocks of 512 B)
+    medium = sum(-(-n // 512) * 512 for n in sizes if mib < n < 10 * mib)
+    large = [-(-n // (2 * mib)) * 2 * mib for n in sizes if n >= 10 * mib]
+    return [2 * mib] * -(-small // (2 * mib)) + [20 * mib] * -(-medium // (20 * mib)) + large
+
+
+def vllm_runtime_pool(s: ModelShape, x: Settings) -> list[int]:
+    """Bytes of each allocation of vLLM's "runtime" pool on one rank: what its V1 runner (the one the engine picks)
+    builds while the worker sets up the KV cache, which gpu_worker.initialize_from_config (0.32-0.33) wraps in that
+    pool (the cache itself is tagged "kv_cache", the activations' scratch "workspace": both discarded by a sleep, not
+    copied). Per KV-cache group the input batch's block table (int32, max_num_seqs x max_model_len / VLLM_BLOCK) and
+    slot mapping (int64, VLLM_BATCHED_TOKENS or max_model_len), and the attention builder's buffers (FlashAttention 3's
+    scheduler metadata, Qwen3.5's GDN state indices: a few int32 per sequence, counted as 64 KiB, an estimate); six
+    sampling-parameter vectors (4 B per sequence). A hybrid model's layers go in groups of as many as it has full-
+    attention layers, each counted as full attention (its linear groups' tables are one block a row): an upper
+    bound. A few MiB: everything fits in 2 MiB segments unless max_num_seqs x max_model_len is in the millions."""
+    groups = 1 + (-(-s.linear_layers // (s.layers - s.linear_layers)) if s.linear_layers else 0)
+    table = 4 * x.max_num_seqs * -(-x.seq_len // VLLM_BLOCK)
+    per_group = [table, 8 * max(VLLM_BATCHED_TOKENS, x.seq_len), 64 * 2**10]
+    return pool_segments(per_group * groups + [4 * x.max_num_seqs] * 6)
+
+
 def reload_peak(s: ModelShape, tp: int) -> float:
     """What vLLM's weight sync holds beside its weights. Its layer-wise reload (model_loader/reload/layerwise.py,
     0.26-0.33) keeps every tensor the sync sends a layer (full, bf16) until the layer has them all, then materialises
@@ -441,6 +490,8 @@ class Settings:
     seq_len: int  # max_prompt_length + max_response_length
     response_len: int
     hf_rows: int  # sequences one HF generate call decodes at once
+    max_num_seqs: int  # rollout.max_num_seqs: sequences one vLLM engine decodes together
+    vllm_version: str  # the vLLM release planned for (what its sleep copies to host memory depends on it)
     lora_rank: int = 0  # actor.lora_rank: > 0 trains adapters only, and the reference is the base itself
     lora_targets: tuple[str, ...] = ()  # actor.lora_target_modules
     master_bytes: int = 4  # actor.master_dtype: 4 (fp32) or 2 (bf16) bytes a trainable weight, gradient, moment
@@ -581,15 +632,23 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             "logits": x.hf_rows * s.vocab * 10,
             "runtime": RUNTIME,
         }
+    # What vLLM 0.32+ copies to pinned host memory at every sleep besides the weights, as CuMemAllocator allocations
+    # (sleep needs CUDA). The "cudagraph" pool holds the CUDA graphs only with sleep_mode_offload_cudagraph, which the
+    # engine leaves off (vLLM's default): they stay on the GPU in vLLM's own graph pool (RUNTIME), and it is empty.
+    sleeps = with_vllm and not x.vllm_bytes and x.sleep_level > 0
+    copied = sleeps and sleep_backs_up_pools(x.vllm_version)
+    pools = {"runtime": vllm_runtime_pool(s, x) if copied else [], "cudagraph": []}
     # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
     # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
     # (pinned, bf16, its TP slice, each block a power of two), which the engine made before the trainer's model
-    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers)
+    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers),
+    # and the pools vLLM 0.32+ copies at every level, the same way
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
         "read buffer": 2 * s.vocab * s.hidden,
         "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
+        "vllm sleep pools": sum(pinned_block(n) for n in pools["runtime"] + pools["cudagraph"]),
     }
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
@@ -599,6 +658,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "host": host,
         "vllm_min": vllm_min if with_vllm else 0.0,
         "offloaded": offloaded,  # host bytes per rank while generating (pinned on CUDA)
+        "vllm pools": pools,  # the allocations of the pools vLLM's sleep copies besides the weights, bytes each
         "states": states,
     }
 
@@ -721,11 +781,13 @@ def host_bytes_per_rank(ranks: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, ranks)
 
 
-def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
+def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | None = None) -> Plan:
     """The plan for `cfg` (grpo.config.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
     known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
-    memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
+    memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU. `vllm_version`:
+    the vLLM release to plan for; by default the installed one, else the GPU set's (startup.SUPPORTED_VERSIONS)."""
+    from grpo.startup import SUPPORTED_VERSIONS, library_versions
     from grpo.vllm_engine import sleep_level_for
 
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
@@ -740,6 +802,10 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         nograd = ("actor.max_tokens_per_micro_batch_no_grad", a.max_tokens_per_micro_batch_no_grad)
     elif a.max_tokens_per_micro_batch:
         nograd = train
+    if vllm_version is None:
+        vllm_version = library_versions()["vllm"]
+        if vllm_version == "not installed":
+            vllm_version = SUPPORTED_VERSIONS["GPU"]["vllm"]
     gpu_bytes, gpu_source = gpu_memory(t.gpu_memory_gib)
     per_node = gpus_per_node(t.n_gpus_per_node)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, per_node)  # torchrun sets it
@@ -767,6 +833,8 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         seq_len=seq_len,
         response_len=d.max_response_length,
         hf_rows=hf_rows(cfg, world),
+        max_num_seqs=r.max_num_seqs,
+        vllm_version=vllm_version,
         lora_rank=a.lora_rank,
         lora_targets=tuple(a.lora_target_modules),
         master_bytes={"fp32": 4, "bf16": 2}.get(a.master_dtype, 4),
@@ -865,17 +933,30 @@ def format_plan(plan: Plan) -> str:
         moved = " + ".join(f"{k} {_gib(v)}" for k, v in offloaded.items())
         lines.append(f"offloaded to host memory while generating, GiB: {x.ranks_per_node} x ({moved}) = "
                      f"{_gib(x.ranks_per_node * sum(offloaded.values()))} per node, pinned")  # fmt: skip
-    per_rank = " + ".join(f"{k} {_gib(v)}" for k, v in host.items() if v)
+    # (vLLM's pools are a few MiB: shown to the MiB rather than as 0.0)
+    per_rank = " + ".join(f"{k} {_gib(v) if v >= 0.05 * GIB else f'{v / GIB:.3f}'}" for k, v in host.items() if v)
     limit = f" of the {_gib(plan.host_limit)} Slurm allows" if plan.host_limit else ""
     ranks = f"{x.ranks_per_node} rank{'s' if x.ranks_per_node > 1 else ''}"
     lines.append(
         f"host memory per node at load, GiB: {ranks} x ({per_rank}) = "
         f"{_gib(x.ranks_per_node * sum(host.values()))}{limit}, plus each process's own"
     )
+    if host["vllm sleep pools"]:
+        lines.append(f"  vllm sleep pools: vLLM {x.vllm_version} copies its \"runtime\" pool (block tables, sampling "
+                     f"parameters: {host['vllm sleep pools'] / 2**20:.0f} MiB a rank, pinned) to host memory at every "
+                     "sleep, level 2 too (0.26-0.31: none)")  # fmt: skip
     if x.engine == "vllm" and x.mm_cache_gb:  # the one cache that fills as a run goes on (docs/memory.md)
         lines.append(f"  + during the run: vLLM's processed images and videos, up to {x.mm_cache_gb:g} GiB per rank "
                      "(rollout.mm_cache_gb)")  # fmt: skip
     return "\n".join(lines)
+
+
+def host_per_node(numbers: dict, x: Settings) -> float:
+    """The host bytes per node the plan compares with Slurm's --mem: at load, or from the first offload on (the
+    arenas, beside vLLM's sleep copies, which torch's pinned allocator keeps cached), whichever is more."""
+    host = numbers["host"]
+    running = sum(numbers["offloaded"].values()) + host["vllm sleep copy"] + host["vllm sleep pools"]
+    return x.ranks_per_node * max(sum(host.values()), running)
 
 
 def plan_problem(plan: Plan) -> str | None:
@@ -888,9 +969,7 @@ def plan_problem(plan: Plan) -> str | None:
             f"rollout.gpu_memory_utilization={x.vllm_util} gives vLLM {_gib(x.vllm_util * x.gpu_bytes)} GiB, less "
             f"than its weights and one sequence's KV cache ({_gib(numbers['vllm_min'])} GiB): raise it to >= {need}"
         )
-    # at load, or from the first offload on (the arenas, beside vLLM's sleep copy, which torch keeps cached)
-    running = sum(numbers["offloaded"].values()) + numbers["host"]["vllm sleep copy"]
-    host = x.ranks_per_node * max(sum(numbers["host"].values()), running)
+    host = host_per_node(numbers, x)
     if plan.host_limit and host > plan.host_limit:
         return (
             f"host memory, {_gib(host)} GiB per node (at load, or with the state offloaded), is over the "
