@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import mismatch, partial, preflight, turns
+from grpo import mismatch, partial, preflight, replay, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
@@ -417,9 +417,10 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
     tool_turns = [samples[i].turns for i in mb]  # tool turns inside answers: context, no loss (turns.py)
+    routes = [samples[i].routes for i in mb]  # the engine's experts per token, replayed (replay.py), or None
     if packed:
-        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns)
-    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
+        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns, routes=routes)
+    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns, routes=routes)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats,
@@ -755,6 +756,8 @@ def main(argv=None):
         )
         _, prompts, samples, results, _ = batch
         scores = torch.tensor([x["overall"] for x in results], dtype=torch.float32)  # (N,)
+        if cfg.algorithm.routing_replay == "r3":  # answers the engine did not record whole (tool turns, carried)
+            replay.record_missing(engine, model, prompts, samples)
         engine.sleep()
         reshard(model)
         timings["time/rollout"] = time.perf_counter() - t0 - timings["time/reward"]
@@ -791,6 +794,8 @@ def main(argv=None):
         # ------------------------------------------------------------------------------------------------- log
         phase("metrics")
         metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer)
+        if cfg.algorithm.routing_replay == "r3":  # the routes replayed, and how often the trainer's own differ
+            metrics.update(replay.step_metrics(model, samples))
 
         # --------------------------------------------------------------------------------------------- validate
         freq = cfg.trainer.val_freq

@@ -20,6 +20,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from grpo import replay
+
 # what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -149,11 +151,12 @@ def mask_tool_turns(mask_row: torch.Tensor, turns) -> None:
         mask_row[turn.start : turn.start + len(turn.input_ids)] = 0
 
 
-def collate(prompts, responses, pad_id, image_token_id, turns=None):
+def collate(prompts, responses, pad_id, image_token_id, turns=None, routes=None):
     """Lay each sequence out as [left-padded prompt | right-padded response]: every response starts at the same
     column, so the model needs logits only for the last T + 1 positions. `turns`: per response, the tool turns inside
     it (turns.ToolTurn; None: none): their image tokens are typed, their pixels follow the prompt's, their tokens are
-    out of the response mask.
+    out of the response mask. `routes`: per response, its recorded experts (Sample.routes) or None; when any has
+    some, the inputs carry `routes` laid out as the tokens are (replay.padded_routes), for forward_logprobs.
 
     Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
     """
@@ -175,6 +178,9 @@ def collate(prompts, responses, pad_id, image_token_id, turns=None):
         response_mask[i, : len(r)] = 1
         mask_tool_turns(response_mask[i], turns[i])
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
+    if routes is not None and replay.routes_shape(routes) is not None:
+        inputs["routes"] = replay.padded_routes(routes, [len(p.input_ids) for p in prompts],
+                                                [len(r) for r in responses], p_len, t_len)  # fmt: skip
     vision = [x for p, ts in zip(prompts, turns) for x in (p, *ts)]  # in token order: a prompt, its answer's turns
     return {**inputs, **stacked_images(vision)}, input_ids[:, p_len:], response_mask
 
@@ -190,13 +196,15 @@ def stacked_images(prompts) -> dict:
     return stacked
 
 
-def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
+def pack(prompts, responses, image_token_id, share_prompts=False, turns=None, routes=None):
     """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
     `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
     [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
     each response see the prompt but not the other responses (attention.PackedLayout).
 
     `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
+    `routes` as in `collate`, packed as the tokens are (replay.packed_routes): a shared prompt's routes once, its
+    first answer's record's (the answers of a group were prefilled from the same prompt).
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
     `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
@@ -207,10 +215,11 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
     turns = turns or [[] for _ in responses]
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, types, part_prompts, group_sizes, vision = [], [], [], [], []
+    pieces, types, part_prompts, group_sizes, vision, starts_part = [], [], [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
-        if not (share_prompts and i > 0 and p is prompts[i - 1]):
+        starts_part.append(not (share_prompts and i > 0 and p is prompts[i - 1]))
+        if starts_part[-1]:
             pieces.append(p.input_ids)
             types.append(token_types(p, image_token_id))
             part_prompts.append(p)
@@ -231,6 +240,9 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
+    if routes is not None and replay.routes_shape(routes) is not None:
+        inputs["routes"] = replay.packed_routes(routes, [len(p.input_ids) for p in prompts],
+                                                [len(r) for r in responses], starts_part)  # fmt: skip
     return {**inputs, **stacked_images(vision)}, response_ids, response_mask
 
 

@@ -67,6 +67,8 @@ class AlgorithmConfig:
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
     filter_high: float = 0.99  # ... or >= filter_high (all right): they have zero advantage anyway
     max_filter_rounds: int = 8  # rollout rounds per step before giving up with an error
+    # MoE: r3 = every trainer forward routes each token to the experts the engine chose for it (replay.py); none
+    routing_replay: str = "none"
 
 
 @dataclass
@@ -347,6 +349,8 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         raise ConfigError(problem)
     if r.sleep_level not in (-1, 0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
+    if alg.routing_replay not in ("none", "r3"):  # (replay.MODES)
+        raise ConfigError(f"algorithm.routing_replay={alg.routing_replay!r}; valid: none, r3 (MoE models: replay.py)")
     if problem := mismatch_problem(cfg.algorithm) or partial_problem(cfg):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):

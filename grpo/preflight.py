@@ -54,7 +54,9 @@ def check_paths(cfg) -> None:
 
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
-    unsupported = unsupported_model(path, needs_experts=cfg.actor.router_aux_loss_coef > 0)
+    needs_experts = {"actor.router_aux_loss_coef balances": cfg.actor.router_aux_loss_coef > 0,
+                     "algorithm.routing_replay=r3 replays": cfg.algorithm.routing_replay == "r3"}  # fmt: skip
+    unsupported = unsupported_model(path, needs_experts=next((k for k, on in needs_experts.items() if on), None))
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
     for key in ("train_files", "val_files"):
