@@ -503,6 +503,7 @@ class Settings:
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
     mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
+    route_tokens: int = 0  # algorithm.routing_replay=r3: tokens whose routes a rank holds (its samples x seq_len)
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -660,6 +661,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "offloaded": offloaded,  # host bytes per rank while generating (pinned on CUDA)
         "vllm pools": pools,  # the allocations of the pools vLLM's sleep copies besides the weights, bytes each
         "states": states,
+        # routing replay: each sample's experts per token and MoE layer, held from the rollout to the step's end
+        "routes": x.route_tokens * s.layers * s.experts_per_token * (1 if s.experts <= 128 else 2),  # int8 or int16
     }
 
 
@@ -844,6 +847,7 @@ def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | Non
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
         mm_cache_gb=r.mm_cache_gb,
+        route_tokens=d.rollout_batch_size // world * r.n * seq_len if cfg.algorithm.routing_replay == "r3" else 0,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),
@@ -945,6 +949,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  vllm sleep pools: vLLM {x.vllm_version} copies its \"runtime\" pool (block tables, sampling "
                      f"parameters: {host['vllm sleep pools'] / 2**20:.0f} MiB a rank, pinned) to host memory at every "
                      "sleep, level 2 too (0.26-0.31: none)")  # fmt: skip
+    if numbers["routes"]:
+        lines.append(f"  + from each rollout to its step's end: the routes replayed (algorithm.routing_replay=r3), "
+                     f"{_gib(numbers['routes'])} GiB per rank at most ({x.route_tokens} tokens)")  # fmt: skip
     if x.engine == "vllm" and x.mm_cache_gb:  # the one cache that fills as a run goes on (docs/memory.md)
         lines.append(f"  + during the run: vLLM's processed images and videos, up to {x.mm_cache_gb:g} GiB per rank "
                      "(rollout.mm_cache_gb)")  # fmt: skip
@@ -953,9 +960,11 @@ def format_plan(plan: Plan) -> str:
 
 def host_per_node(numbers: dict, x: Settings) -> float:
     """The host bytes per node the plan compares with Slurm's --mem: at load, or from the first offload on (the
-    arenas, beside vLLM's sleep copies, which torch's pinned allocator keeps cached), whichever is more."""
+    arenas, beside vLLM's sleep copies, which torch's pinned allocator keeps cached, and routing replay's routes),
+    whichever is more."""
     host = numbers["host"]
     running = sum(numbers["offloaded"].values()) + host["vllm sleep copy"] + host["vllm sleep pools"]
+    running += numbers["routes"]  # routing replay's routes, from each rollout to its step's end
     return x.ranks_per_node * max(sum(host.values()), running)
 
 

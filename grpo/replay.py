@@ -8,7 +8,7 @@ token goes through the experts that sampled it; the combine weights are still th
 router logits over the recorded k experts (Qwen3-VL-MoE's and Qwen3.5-MoE's TopKRouter take the softmax over all
 experts, its top-k, and renormalise over those k: the same numbers), so the router keeps its gradient.
 
-The record: `Sample.routes`, (prompt + answer tokens, MoE layers, top_k) small integers (int8 up to 127 experts,
+The record: `Sample.routes`, (prompt + answer tokens, MoE layers, top_k) small integers (int8 up to 128 experts,
 int16 beyond), NO_ROUTE (-1) where the engine recorded none (an answer's last token, which no forward reads before
 the answer ends). Who records it:
 - the HF engine: hooks on the routers during its own `generate` (the prompt's prefill, then each decode step);
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import moe
+from grpo.samples import SamplingParams
 
 NO_ROUTE = -1  # a token whose route was not recorded: the trainer's own router routes it
 REPLAY = "r3"
@@ -48,12 +49,7 @@ MODES = ("none", REPLAY)
 
 def route_dtype(num_experts: int) -> torch.dtype:
     """The smallest integer type that holds an expert's index and NO_ROUTE."""
-    return torch.int8 if num_experts <= 127 else torch.int16
-
-
-def route_bytes(tokens: int, layers: int, top_k: int, num_experts: int) -> int:
-    """Host bytes of the routes of `tokens` tokens."""
-    return tokens * layers * top_k * route_dtype(num_experts).itemsize
+    return torch.int8 if num_experts <= 128 else torch.int16
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -213,9 +209,15 @@ def record_missing(engine, model, prompts, samples) -> int:
     top_k = model.config.get_text_config().num_experts_per_tok
     dtype = route_dtype(model.config.get_text_config().num_experts)
     chosen = [prompts[s.prompt_index] for s in todo]
-    if getattr(engine, "llm", None) is not None:
-        sequences = [routing.with_answer(p, list(s.response_ids), engine.image_token_id) for p, s in zip(chosen, todo)]
-        found = routing.engine_routing(engine, sequences, top_k)
+    inner = getattr(engine, "engine", engine)  # under the tool loop: its engine, for plain one-token requests
+    if getattr(inner, "llm", None) is not None:
+        sequences = [routing.with_answer(p, list(s.response_ids), inner.image_token_id) for p, s in zip(chosen, todo)]
+        if inner.capture_routes:  # vLLM's capture: all at once, each sequence's every token forwarded (prefilled)
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            done = inner.generate(sequences, 1, params, seed=0)
+            found = [d.routes[: len(q.input_ids)] for d, q in zip(done, sequences, strict=True)]
+        else:
+            found = routing.engine_routing(inner, sequences, top_k)
     else:  # the HF engine samples with the trainer's model: a forward of it (collective: every rank, one forward)
         found = hf_routing(model, chosen, [list(s.response_ids) for s in todo])
     for s, r in zip(todo, found, strict=True):

@@ -158,4 +158,75 @@ def test_routes_of_a_generate_call_and_of_a_vllm_completion():
     assert replay.completion_routes(types.SimpleNamespace(routed_experts=None), 6, torch.int8) is None
     with pytest.raises(RuntimeError, match="for a sequence of 4 tokens"):
         replay.completion_routes(captured, 4, torch.int8)
-    assert replay.route_dtype(128) == torch.int16 and replay.route_dtype(4) == torch.int8
+    assert replay.route_dtype(129) == torch.int16 and replay.route_dtype(128) == torch.int8
+
+
+def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_family_dir, monkeypatch):
+    """Guards against the vLLM capture branch (CUDA: 0.26's V1 runner, or 0.32/0.33 under Model Runner V2) reading
+    the routes of another completion or of the wrong length, and against answers assembled outside generate (tool
+    turns, carried answers) left without a record: vLLM's own CompletionOutput and RequestOutput (the installed
+    version's signature) from a stand-in LLM, each completion's routes filled with its index. And which versions
+    capture: only on CUDA, and 0.32/0.33 (AuxOutputConfig) only under VLLM_USE_V2_MODEL_RUNNER=1."""
+    import vllm.config
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from grpo import vllm_compat
+    from grpo.samples import Prompt, SamplingParams
+    from grpo.vllm_engine import VLLMEngine
+
+    layers, k = 2, 2
+    calls = []
+
+    class LLM:
+        def generate(self, requests, sampling, use_tqdm=False):
+            outs = []
+            for i, (request, params) in enumerate(zip(requests, sampling)):
+                ids, completions = request["prompt_token_ids"], []
+                calls.append(params.max_tokens)
+                for j in range(params.n):
+                    answer = [7 + j] * params.max_tokens
+                    routed = np.full((len(ids) + len(answer) - 1, layers, k), j, dtype=np.int16)
+                    completions.append(CompletionOutput(
+                        index=j, text="", token_ids=answer, cumulative_logprob=None,
+                        logprobs=[{t: Logprob(-1.0)} for t in answer], routed_experts=routed, finish_reason="length",
+                    ))  # fmt: skip
+                outs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                                          outputs=completions, finished=True))  # fmt: skip
+            return outs
+
+    processor = AutoProcessor.from_pretrained(tiny_family_dir("qwen3_vl_moe"))
+    engine = object.__new__(VLLMEngine)
+    engine.llm, engine.tokenizer, engine.tp_group, engine.offload, engine.asleep = (
+        LLM(),
+        processor.tokenizer,
+        None,
+        None,
+        set(),
+    )
+    engine.image_token_id, engine.max_images, engine.max_videos, engine.clip_metadata = 0, 0, 0, False
+    engine.logit_bias, engine.capture_routes, engine.route_dtype = {}, True, torch.int8
+    prompts = [Prompt(torch.tensor(ids), None, None, []) for ids in ([1, 2, 3], [4, 5, 6, 7, 8])]
+    samples = engine.generate(prompts, 2, SamplingParams(max_tokens=3), seed=0)
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    for s in samples:
+        length = len(prompts[s.prompt_index].input_ids) + 3
+        assert s.routes.dtype == torch.int8 and s.routes.shape == (length, layers, k)
+        assert (s.routes[:-1] == s.response_ids[0] - 7).all() and (s.routes[-1] == replay.NO_ROUTE).all()
+
+    samples[1].routes = samples[2].routes = None  # as a tool turn's or a carried answer's: assembled afterwards
+    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(num_experts_per_tok=k, num_experts=4))
+    tools = types.SimpleNamespace(engine=engine)  # the tool loop's wrapper: plain requests go to its engine
+    assert replay.record_missing(tools, types.SimpleNamespace(config=config), prompts, samples) == 2
+    assert calls[-2:] == [1, 1]  # one-token requests: prompt + answer prefilled, every token forwarded
+    for s in samples[1:3]:
+        assert s.routes.shape == (len(prompts[s.prompt_index].input_ids) + 3, layers, k) and (s.routes >= 0).all()
+
+    assert not vllm_compat.captures_routes(on_cuda=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert vllm_compat.captures_routes(on_cuda=True) is not hasattr(vllm.config, "AuxOutputConfig")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_compat.captures_routes(on_cuda=True)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.delattr(vllm.config, "AuxOutputConfig", raising=False)  # 0.26: the V1 runner captures
+    assert vllm_compat.captures_routes(on_cuda=True)
