@@ -230,3 +230,32 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.delattr(vllm.config, "AuxOutputConfig", raising=False)  # 0.26: the V1 runner captures
     assert vllm_compat.captures_routes(on_cuda=True)
+
+
+def test_hf_engine_records_the_routes_of_its_generate(tiny_family_dir):
+    """Guards against the HF engine's record shifted against its tokens (the left pads of a batch's prompts, the
+    decode steps after the prefill, rows that finished early and go on stepping): the routes it records while
+    generating (with images, answers of different lengths) are those one forward of prompt + answer takes, token for
+    token but each answer's last (never fed back: NO_ROUTE)."""
+    from grpo.config import load_config
+    from grpo.hf_engine import HFEngine
+    from grpo.samples import SamplingParams
+    from tests.hf_engine_check import image_prompts, tiny_policy
+
+    path = tiny_family_dir("qwen3_vl_moe")
+    processor = AutoProcessor.from_pretrained(path)
+    model = tiny_policy(path, processor)
+    engine = HFEngine(load_config(None, ["algorithm.routing_replay=r3"]), processor)
+    engine.sync_weights(model)
+    prompts = image_prompts(processor, 3)
+    samples = engine.generate(prompts, 2, SamplingParams(temperature=1.0, max_tokens=12), seed=0)
+    assert len({len(s.response_ids) for s in samples}) > 1  # answers that ended early beside longer ones
+    chosen = [prompts[s.prompt_index] for s in samples]
+    own, _ = routing.trainer_routing(model, chosen, [s.response_ids for s in samples], processor.tokenizer.pad_token_id)
+    differ = total = 0
+    for s, o in zip(samples, own, strict=True):
+        assert s.routes.dtype == torch.int8 and s.routes.shape == o.shape
+        assert (s.routes[-1] == replay.NO_ROUTE).all() and (s.routes[:-1] >= 0).all()
+        differ += int((s.routes[:-1].long().sort(-1).values != o[:-1].sort(-1).values).any(-1).sum())
+        total += o[:-1].shape[0] * o.shape[1]
+    assert differ <= 0.01 * total, (differ, total)  # a near tie may tip between a decode step and one forward
