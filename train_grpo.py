@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import mismatch, partial, preflight, replay, turns
+from grpo import mismatch, partial, preflight, replay, routing, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
@@ -757,7 +757,7 @@ def main(argv=None):
         _, prompts, samples, results, _ = batch
         scores = torch.tensor([x["overall"] for x in results], dtype=torch.float32)  # (N,)
         if cfg.algorithm.routing_replay == "r3":  # answers the engine did not record whole (tool turns, carried)
-            replay.record_missing(engine, model, prompts, samples)
+            routing.record_routes(engine, model, prompts, samples)
         engine.sleep()
         reshard(model)
         timings["time/rollout"] = time.perf_counter() - t0 - timings["time/reward"]

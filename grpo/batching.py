@@ -7,7 +7,8 @@
 - stack_padded: per-sequence rows (log-probs) as one zero-padded micro-batch tensor.
 - collate / pack: lay a micro-batch of prompts and answers out for the model's forward, padded
   ([left-padded prompt | right-padded answer] per row) or packed (all sequences back to back in one row, optionally
-  each prompt once before its group's answers).
+  each prompt once before its group's answers); padded_routes / packed_routes: routing replay's recorded experts
+  (replay.py) in the same two layouts.
 
 The planning functions work on token counts and lists of items; the loop in train_grpo.py builds the micro-batches
 from them with collate or pack.
@@ -20,8 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from grpo import replay
-
+NO_ROUTE = -1  # routing replay: a token the engine recorded no experts for; the trainer's router routes it
 # what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -156,7 +156,7 @@ def collate(prompts, responses, pad_id, image_token_id, turns=None, routes=None)
     column, so the model needs logits only for the last T + 1 positions. `turns`: per response, the tool turns inside
     it (turns.ToolTurn; None: none): their image tokens are typed, their pixels follow the prompt's, their tokens are
     out of the response mask. `routes`: per response, its recorded experts (Sample.routes) or None; when any has
-    some, the inputs carry `routes` laid out as the tokens are (replay.padded_routes), for forward_logprobs.
+    some, the inputs carry `routes` laid out as the tokens are (padded_routes), for forward_logprobs.
 
     Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
     """
@@ -178,8 +178,8 @@ def collate(prompts, responses, pad_id, image_token_id, turns=None, routes=None)
         response_mask[i, : len(r)] = 1
         mask_tool_turns(response_mask[i], turns[i])
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
-    if routes is not None and replay.routes_shape(routes) is not None:
-        inputs["routes"] = replay.padded_routes(routes, [len(p.input_ids) for p in prompts],
+    if routes is not None and routes_shape(routes) is not None:
+        inputs["routes"] = padded_routes(routes, [len(p.input_ids) for p in prompts],
                                                 [len(r) for r in responses], p_len, t_len)  # fmt: skip
     vision = [x for p, ts in zip(prompts, turns) for x in (p, *ts)]  # in token order: a prompt, its answer's turns
     return {**inputs, **stacked_images(vision)}, input_ids[:, p_len:], response_mask
@@ -203,7 +203,7 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None, ro
     each response see the prompt but not the other responses (attention.PackedLayout).
 
     `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
-    `routes` as in `collate`, packed as the tokens are (replay.packed_routes): a shared prompt's routes once, its
+    `routes` as in `collate`, packed as the tokens are (packed_routes): a shared prompt's routes once, its
     first answer's record's (the answers of a group were prefilled from the same prompt).
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
@@ -240,8 +240,8 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None, ro
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
-    if routes is not None and replay.routes_shape(routes) is not None:
-        inputs["routes"] = replay.packed_routes(routes, [len(p.input_ids) for p in prompts],
+    if routes is not None and routes_shape(routes) is not None:
+        inputs["routes"] = packed_routes(routes, [len(p.input_ids) for p in prompts],
                                                 [len(r) for r in responses], starts_part)  # fmt: skip
     return {**inputs, **stacked_images(vision)}, response_ids, response_mask
 
@@ -252,3 +252,46 @@ def stack_padded(rows, t_len, device):
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row.to(device)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Routing replay's routes (replay.py) laid out as the tokens are.
+
+
+def _part(routes, start: int, stop: int, shape, dtype) -> torch.Tensor:
+    """Rows [start, stop) of a sample's routes, NO_ROUTE where it has none (or no record at all)."""
+    out = torch.full((stop - start, *shape), NO_ROUTE, dtype=dtype)
+    if routes is not None:
+        have = routes[start:stop]
+        out[: len(have)] = have
+    return out
+
+
+def routes_shape(routes) -> tuple | None:
+    """(layers, k) of the first record, or None when no sample has one (nothing to replay)."""
+    return next((tuple(r.shape[1:]) for r in routes if r is not None), None)
+
+
+def _dtype(routes) -> torch.dtype:
+    """The records' integer type (int8 or int16, route_dtype), kept in the micro-batch: it goes to the device."""
+    return next(r.dtype for r in routes if r is not None)
+
+
+def padded_routes(routes, prompt_lens, response_lens, p_len: int, t_len: int) -> torch.Tensor:
+    """batching.collate's layout: (B * (p_len + t_len), layers, k), each row's prompt right-aligned at p_len and its
+    answer after it, NO_ROUTE on the pads."""
+    shape, dtype = routes_shape(routes), _dtype(routes)
+    out = torch.full((len(routes), p_len + t_len, *shape), NO_ROUTE, dtype=dtype)
+    for i, (r, p, n) in enumerate(zip(routes, prompt_lens, response_lens)):
+        out[i, p_len - p : p_len + n] = _part(r, 0, p + n, shape, dtype)
+    return out.flatten(0, 1)
+
+
+def packed_routes(routes, prompt_lens, response_lens, starts_part) -> torch.Tensor:
+    """batching.pack's layout: (L, layers, k), the sequences back to back; a sample that starts a part brings its
+    prompt's routes, the others of a shared-prefix part only their answers' (the prompt is in the row once)."""
+    shape, dtype = routes_shape(routes), _dtype(routes)
+    pieces = []
+    for r, p, n, first in zip(routes, prompt_lens, response_lens, starts_part):
+        pieces.append(_part(r, 0 if first else p, p + n, shape, dtype))
+    return torch.cat(pieces)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grpo import families, logprobs, replay
+from grpo import families, logprobs, moe, replay, routing
 from grpo.batching import VISION_INPUTS, collate, pack
 from grpo.samples import Prompt, Sample, SamplingParams, vision_token_ids
 
@@ -136,7 +136,8 @@ class HFEngine:
                 logprobs.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
         replay.clear(self.model)  # the last training forward's routes are no record of this call's tokens
-        rows, handles = replay.record(self.model) if self.record_routes else (None, [])
+        rows, handles = (routing.record(moe.routers(self.model), lambda out: out[2]) if self.record_routes
+                         else (None, []))  # fmt: skip
         try:
             with one_pass:
                 sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P+R)

@@ -20,7 +20,7 @@ the answer ends). Who records it:
   it prefills each finished sequence once more (routing.engine_routing), eager only: CUDA graphs and compiled
   graphs do not run module hooks, so on CUDA that needs rollout.enforce_eager=true (vllm_engine checks it).
 The answers assembled over several engine calls (tool turns, answers carried by partial rollouts) are recorded by
-that re-prefill (record_missing) whatever the engine: a tool turn's tokens get the routes of their prefill, and a
+that re-prefill (routing.record_routes) whatever the engine: a tool turn's tokens get the routes of their prefill, and a
 carried answer the routes of its re-prefill under this step's weights, the weights its old log-probs are taken at.
 A checkpoint holds no routes: carried answers are stored as tokens, and their routes are taken when they complete.
 
@@ -39,10 +39,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from grpo import moe
-from grpo.samples import SamplingParams
+from grpo import batching, moe
 
-NO_ROUTE = -1  # a token whose route was not recorded: the trainer's own router routes it
+NO_ROUTE = batching.NO_ROUTE  # a token whose route was not recorded: the trainer's own router routes it
 REPLAY = "r3"
 MODES = ("none", REPLAY)
 
@@ -119,52 +118,7 @@ def clear(model) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The routes laid out as batching lays out the tokens.
-
-
-def _part(routes, start: int, stop: int, shape) -> torch.Tensor:
-    """Rows [start, stop) of a sample's routes, NO_ROUTE where it has none (or no record at all)."""
-    out = torch.full((stop - start, *shape), NO_ROUTE, dtype=torch.int16)
-    if routes is not None:
-        have = routes[start:stop]
-        out[: len(have)] = have
-    return out
-
-
-def routes_shape(routes) -> tuple | None:
-    """(layers, k) of the first record, or None when no sample has one (nothing to replay)."""
-    return next((tuple(r.shape[1:]) for r in routes if r is not None), None)
-
-
-def padded_routes(routes, prompt_lens, response_lens, p_len: int, t_len: int) -> torch.Tensor:
-    """batching.collate's layout: (B * (p_len + t_len), layers, k), each row's prompt right-aligned at p_len and its
-    answer after it, NO_ROUTE on the pads."""
-    shape = routes_shape(routes)
-    out = torch.full((len(routes), p_len + t_len, *shape), NO_ROUTE, dtype=torch.int16)
-    for i, (r, p, n) in enumerate(zip(routes, prompt_lens, response_lens)):
-        out[i, p_len - p : p_len + n] = _part(r, 0, p + n, shape)
-    return out.flatten(0, 1)
-
-
-def packed_routes(routes, prompt_lens, response_lens, starts_part) -> torch.Tensor:
-    """batching.pack's layout: (L, layers, k), the sequences back to back; a sample that starts a part brings its
-    prompt's routes, the others of a shared-prefix part only their answers' (the prompt is in the row once)."""
-    shape = routes_shape(routes)
-    pieces = []
-    for r, p, n, first in zip(routes, prompt_lens, response_lens, starts_part):
-        pieces.append(_part(r, 0 if first else p, p + n, shape))
-    return torch.cat(pieces)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The engine side: the record of each sample.
-
-
-def record(model):
-    """Hooks on `model`'s routers that keep the chosen experts (N, k) of each call, per layer: (rows, handles)."""
-    from grpo.routing import record as hooks
-
-    return hooks(moe.routers(model), lambda out: out[2])
 
 
 def generate_routes(rows, prompt_lens, width: int, answer_lens, dtype) -> list[torch.Tensor]:
@@ -196,50 +150,6 @@ def completion_routes(completion, length: int, dtype) -> torch.Tensor | None:
     out = torch.full((length, *captured.shape[1:]), NO_ROUTE, dtype=dtype)
     out[: len(captured)] = captured.to(dtype)
     return out
-
-
-def record_missing(engine, model, prompts, samples) -> int:
-    """Give every sample without a record one: the engine prefills it once more (prompt + answer) and its routers'
-    hooks read the routes (routing.engine_routing), or, for the HF engine, the trainer's model does (its own forward
-    is the engine's). Collective where generation is: every rank calls it, with or without samples to record.
-    Returns how many it recorded."""
-    from grpo import routing
-
-    todo = [s for s in samples if s.routes is None]
-    top_k = model.config.get_text_config().num_experts_per_tok
-    dtype = route_dtype(model.config.get_text_config().num_experts)
-    chosen = [prompts[s.prompt_index] for s in todo]
-    inner = getattr(engine, "engine", engine)  # under the tool loop: its engine, for plain one-token requests
-    if getattr(inner, "llm", None) is not None:
-        sequences = [routing.with_answer(p, list(s.response_ids), inner.image_token_id) for p, s in zip(chosen, todo)]
-        if inner.capture_routes:  # vLLM's capture: all at once, each sequence's every token forwarded (prefilled)
-            params = SamplingParams(temperature=0.0, max_tokens=1)
-            done = inner.generate(sequences, 1, params, seed=0)
-            found = [d.routes[: len(q.input_ids)] for d, q in zip(done, sequences, strict=True)]
-        else:
-            found = routing.engine_routing(inner, sequences, top_k)
-    else:  # the HF engine samples with the trainer's model: a forward of it (collective: every rank, one forward)
-        found = hf_routing(model, chosen, [list(s.response_ids) for s in todo])
-    for s, r in zip(todo, found, strict=True):
-        s.routes = r.to(dtype)
-    return len(todo)
-
-
-def hf_routing(model, prompts, answers) -> list[torch.Tensor]:
-    """The trainer's model's routes over prompt + answer, one no-grad forward for all (every rank joins it, with a
-    filler sequence of its own if it has none to record: FSDP2's forwards are collectives)."""
-    from grpo import routing
-
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
-    have = torch.tensor([len(prompts)])
-    if dist.is_initialized():
-        dist.all_reduce(have, op=dist.ReduceOp.MAX)
-    if not have.item():
-        return []
-    if not prompts:
-        raise RuntimeError("routing replay: a rank without samples to record while another has some")
-    rows, _ = routing.trainer_routing(model, prompts, answers, pad_id)
-    return rows
 
 
 def step_metrics(model, samples) -> dict:

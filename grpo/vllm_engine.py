@@ -145,7 +145,7 @@ class VLLMEngine:
             limits = vllm_compat.capped_profile(limits, *sizes)
         self.clip_metadata = self.max_videos and vllm_compat.clip_metadata_per_request(cfg.actor.model_path)
         # routing replay: vLLM's own capture of each request's experts where it has one, else the routers' hooks
-        # during a re-prefill of each finished sequence (replay.record_missing), which only an eager engine runs
+        # during a re-prefill of each finished sequence (routing.record_routes), which only an eager engine runs
         self.route_dtype = replay.route_dtype(family_config(cfg.actor.model_path).num_experts) if (
             cfg.algorithm.routing_replay == "r3") else None  # fmt: skip
         self.capture_routes = self.route_dtype is not None and vllm_compat.captures_routes(on_cuda)

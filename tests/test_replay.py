@@ -217,7 +217,7 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
     samples[1].routes = samples[2].routes = None  # as a tool turn's or a carried answer's: assembled afterwards
     config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(num_experts_per_tok=k, num_experts=4))
     tools = types.SimpleNamespace(engine=engine)  # the tool loop's wrapper: plain requests go to its engine
-    assert replay.record_missing(tools, types.SimpleNamespace(config=config), prompts, samples) == 2
+    assert routing.record_routes(tools, types.SimpleNamespace(config=config), prompts, samples) == 2
     assert calls[-2:] == [1, 1]  # one-token requests: prompt + answer prefilled, every token forwarded
     for s in samples[1:3]:
         assert s.routes.shape == (len(prompts[s.prompt_index].input_ids) + 3, layers, k) and (s.routes >= 0).all()
