@@ -341,6 +341,13 @@ def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, m
     assert plan.numbers["phases"]["optimizer step"]["adam"] == pytest.approx(4 * params / 8)
     plain = plan_memory(load_config(config, [*NODE, "actor.master_dtype=fp32", "actor.offload_optimizer=false"]), 8)
     assert "does not fit" in plan_problem(plain)
+    # routing replay's routes in host memory: a rank's 64 prompts x 5 answers of up to 2,048 + 2,048 tokens, every
+    # MoE layer's top-8, one byte an expert up to 128 experts (Qwen3-VL-30B-A3B: 48 layers), two beyond (Qwen3.5: 256)
+    assert plan.numbers["routes"] == 0
+    replayed = plan_memory(load_config(config, [*NODE, "algorithm.routing_replay=r3"]), 8)
+    layers, width = (48, 1) if "qwen3_vl" in config else (40, 2)
+    assert replayed.numbers["routes"] == 64 * 5 * 4096 * layers * 8 * width
+    assert "the routes replayed" in memory_plan.format_plan(replayed)
 
 
 def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
