@@ -42,7 +42,8 @@ PY026 := .venv026/bin/python
 
 test-vllm026: .venv026/.installed
 	OMP_NUM_THREADS=1 $(PY026) -m pytest -q tests/test_vllm.py tests/test_vllm_compat.py \
-		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]"
+		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]" \
+		tests/test_replay.py::test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest
 	$(PY026) scripts/make_tiny_model.py outputs/vllm026/tiny_model
 	$(PY026) -c "from scripts.make_synthetic_data import make_video_count_task as m; \
 		m('outputs/vllm026/train.parquet', 64, 0); m('outputs/vllm026/val.parquet', 8, 1)"

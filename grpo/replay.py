@@ -56,8 +56,9 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 
 class RoutingReplay:
-    """Forward hooks on every router of a model (moe.routers), installed first so that every other hook
-    (moe.RouterBalance) sees the replayed choice. While `routes` (N, layers, k) is set, layer i's router returns the
+    """Forward hooks on every router of a model (moe.routers), installed first so that every other hook sees the
+    replayed choice (moe.RouterBalance reads only the logits: its top-k is the router's own, as transformers'
+    load-balancing loss takes it). While `routes` (N, layers, k) is set, layer i's router returns the
     recorded experts of each of its N rows (the forward's tokens, flattened as the MoE block flattens them) with the
     trainer's weights over them; a row with NO_ROUTE keeps the router's own choice. In forwards with gradients it
     also counts the (token, layer) pairs whose own top-k set differs from the record (moe/routing_disagreement)."""
