@@ -260,9 +260,11 @@ def stack_padded(rows, t_len, device):
 
 def _part(routes, start: int, stop: int, shape, dtype) -> torch.Tensor:
     """Rows [start, stop) of a sample's routes, NO_ROUTE where it has none (or no record at all)."""
+    have = None if routes is None else routes[start:stop].to(dtype)
+    if have is not None and len(have) == stop - start:
+        return have  # (a view: the caller's cat or copy is the only copy)
     out = torch.full((stop - start, *shape), NO_ROUTE, dtype=dtype)
-    if routes is not None:
-        have = routes[start:stop]
+    if have is not None:
         out[: len(have)] = have
     return out
 
