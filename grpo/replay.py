@@ -67,17 +67,21 @@ class RoutingReplay:
         self.routes = None  # (N, layers, k) on the forward's device, or None: every router chooses for itself
         self.counting = False  # in a forward with gradients (not in its backward's recomputation)
         self.pairs, self.differ = 0, 0
-        for layer, router in enumerate(moe.routers(model)):
+        routers = moe.routers(model)
+        self.layers = len(routers)
+        for layer, router in enumerate(routers):
             router.register_forward_hook(lambda m, args, out, layer=layer: self._replay(layer, out), prepend=True)
 
     def _replay(self, layer: int, out):
         if self.routes is None:
             return None
         logits, _, own = out  # (N, E), (N, k), (N, k)
+        if self.routes.shape != (len(own), self.layers, own.shape[1]):  # another batch's, or another model's
+            raise RuntimeError(
+                f"routing replay: routes {tuple(self.routes.shape)} for {self.layers} routers choosing "
+                f"{tuple(own.shape)} (laid out for another batch, or recorded of another model)"
+            )
         recorded = self.routes[:, layer].to(own.device, torch.long)  # (N, k)
-        if recorded.shape != own.shape:
-            raise RuntimeError(f"routing replay: {tuple(recorded.shape)} recorded routes for the router's "
-                               f"{tuple(own.shape)} (the routes were laid out for another batch)")  # fmt: skip
         recorded_row = (recorded >= 0).all(-1, keepdim=True)  # (N, 1)
         chosen = torch.where(recorded_row, recorded, own)  # (N, k)
         probs = torch.softmax(logits.float(), dim=-1)  # (N, E), as the family's router computes them

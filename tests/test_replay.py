@@ -103,7 +103,8 @@ def test_replay_closes_the_gap_of_perturbed_engine_routers(tiny_family_dir, fami
 def test_gradients_reach_the_router_under_replay(tiny_family_dir, family):
     """Guards against a replay whose combine weights are detached from the router's logits (the router would stop
     learning), or that weighs the experts otherwise than the family's router: replaying the trainer's own routes
-    gives the loss and every gradient of no replay, and replaying other routes still gives every router a gradient."""
+    gives the loss and every gradient of no replay, and replaying other routes still gives every router a gradient.
+    A record of another model (a distillation teacher's forward given the student's routes) stops the forward."""
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     model = loading.load_model(path, torch.device("cpu"), "sdpa")
@@ -128,6 +129,9 @@ def test_gradients_reach_the_router_under_replay(tiny_family_dir, family):
     for n in routers:
         assert grads["other"][n].abs().sum() > 0, n
         assert not torch.allclose(grads["other"][n], grads["none"][n]), n
+    inputs, ids, _ = batching.pack(prompts, responses, image_token_id, routes=[r[:, :1] for r in own])
+    with pytest.raises(RuntimeError, match="recorded of another model"):  # a record of fewer MoE layers than here
+        logprobs.forward_logprobs(model, inputs, ids, 1.0)
 
 
 def test_routes_of_a_generate_call_and_of_a_vllm_completion():
