@@ -494,16 +494,18 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "grads": b * trains["total"] / x.world,  # freed by zero_grad(set_to_none) after each optimizer step
         "adam": 2 * b * trains["total"] / x.world,  # exp_avg and exp_avg_sq
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
-        "teacher": 2 * nt["total"] / x.world if nt and not x.teacher_offload else 0,
     }
+    if nt:
+        states["teacher"] = 0 if x.teacher_offload else 2 * nt["total"] / x.world
     # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py's
     # arenas, their exact size; pinned on CUDA); the moments stay there but for each optimizer step
     offloaded = {
         "params": states["params"] if x.offload_params and with_vllm else 0,  # the hf engine generates with them
         "reference": states["reference"] if x.offload_params and with_vllm else 0,
-        "teacher": states["teacher"] if x.offload_params and with_vllm else 0,
         "adam": states["adam"] if x.offload_optimizer else 0,
     }
+    if nt:
+        offloaded["teacher"] = states["teacher"] if x.offload_params and with_vllm else 0
     # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
     pair = n["layer"] + max(n["vision"], n["layer"])
@@ -605,10 +607,11 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
-        "teacher": 2 * nt["total"] / x.world if nt else 0,
         "read buffer": 2 * max(s.vocab * s.hidden, x.teacher.vocab * x.teacher.hidden if nt else 0),
         "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
     }
+    if nt:  # the teacher's bf16 shard, read as the reference's is (in host memory for good with distill.offload)
+        host["teacher"] = 2 * nt["total"] / x.world
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
     return {
@@ -860,7 +863,7 @@ def format_plan(plan: Plan) -> str:
         extra = [f"{k} {_gib(v)}" + (f" ({tokens[name]} tokens)" if k == "activations" else "")
                  for k, v in parts.items() if k not in states]  # fmt: skip
         # sharded states that are in host memory during this phase (offload), not on the GPU
-        away = [k for k in ("params", "adam", "reference", "teacher") if numbers["states"][k] and not parts.get(k)]
+        away = [k for k in ("params", "adam", "reference", "teacher") if numbers["states"].get(k) and not parts.get(k)]
         without = f"(without {', '.join(away)}) " if away else ""
         lines.append(f"  {name:<10} {without}+ " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
     if x.teacher:  # what distillation costs, beside the reference's when the KL to it is on too
