@@ -99,10 +99,11 @@ STEPS = 30  # the demo's: every seed of 1-5 rose by 0.62-0.65 (docs/tests.md), 2
 
 def test_distill_demo_student_writes_as_its_teacher(tiny_model_dir, tmp_path):
     """Guards against a teacher's signal that does not reach the update (misaligned tokens, wrong samples after the
-    ranks' rebalancing, the wrong sign, the term lost beside a zero reward advantage): the demo's config (2 ranks,
-    vLLM, packed shared prefixes, token budgets) with a zero reward and the tiny model with its digits raised as
-    teacher (make demo-distill). The student's share of digits must rise by at least 0.2 from the first 5 steps to the
-    last 5, and its reverse KL to the teacher fall."""
+    ranks' rebalancing, the wrong sign, the term lost beside a zero reward advantage, a teacher's shards garbled by
+    the offload round trip, which on CPU must copy them out and back unchanged): the demo's config (2 ranks, vLLM,
+    packed shared prefixes, token budgets) with a zero reward and the tiny model with its digits raised as teacher
+    (make demo-distill), with actor.offload_params. The student's share of digits must rise by at least 0.2 from the
+    first 5 steps to the last 5, and its reverse KL to the teacher fall."""
     from scripts.make_tiny_model import build_tiny_model
 
     teacher = build_tiny_model(str(tmp_path / "teacher"), seed=0, digit_logit=5.0)
@@ -111,7 +112,7 @@ def test_distill_demo_student_writes_as_its_teacher(tiny_model_dir, tmp_path):
     torchrun(
         2, "train_grpo.py", "configs/tiny_distill.yaml", f"actor.model_path={tiny_model_dir}",
         f"distill.model_path={teacher}", f"data.train_files={data}", f"trainer.output_dir={out_dir}",
-        "trainer.export_hf=false",
+        "trainer.export_hf=false", "actor.offload_params=true",  # (the teacher's shards to host and back each step)
     )  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
