@@ -20,6 +20,8 @@ The algorithm, as the default config (configs/geo3k.yaml) runs it, each choice w
  8. Old log-probs are recomputed by the trainer once per rollout batch (skipped when a single on-policy
     update makes them equal to the detached current ones): compute_old_and_ref_logprobs.
  9. Validation before training and every `trainer.val_freq` steps at temperature 0.6 / top_p 0.95, n=1: validate.
+10. Optional on-policy distillation (distill.model_path; off by default): a frozen teacher's log-probs of the sampled
+    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_advantages.
 
 Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
