@@ -64,6 +64,17 @@ def test_a_teacher_of_another_tokenizer_or_processor_is_refused(
     assert distill.teacher_problem(tiny_model_dir, tiny_model_dir) is None
 
 
+def test_a_teacher_needs_a_positive_coefficient():
+    """Guards against loading a teacher whose term weighs nothing (or pushes the policy away from it) by a typo."""
+    from grpo.config import ConfigError
+
+    for coef in ("0", "-1"):
+        cfg = train_grpo.load_config(None, ["distill.model_path=some/teacher", f"distill.coef={coef}"])
+        with pytest.raises(ConfigError, match="distill.coef"):
+            train_grpo.check_config(cfg, 1)
+    train_grpo.check_config(train_grpo.load_config(None, ["distill.coef=0"]), 1)  # no teacher: the weight is unused
+
+
 def test_a_mixture_of_experts_teacher_scores_a_dense_students_batch(tiny_family_dir, one_rank_group):
     """Guards against a teacher that works only as a copy of the policy: a tiny Qwen3-VL-MoE (routed experts, another
     model class) teaching the tiny dense Qwen3-VL (the same tokenizer and processor) must give, on the student's
