@@ -353,13 +353,13 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         )
     if not 0 <= a.lora_dropout < 1:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
+    if cfg.distill.model_path and cfg.distill.coef <= 0:
+        raise ConfigError(f"distill.coef={cfg.distill.coef} must be > 0 with a teacher (distill.model_path), "
+                          "or set distill.model_path= (empty) to train without one")  # fmt: skip
     if problem := optimizer_problem(a, r.engine):
         raise ConfigError(problem)
     if r.sleep_level not in (-1, 0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
-    if cfg.distill.model_path and cfg.distill.coef <= 0:
-        raise ConfigError(f"distill.coef={cfg.distill.coef} must be > 0 with a teacher (distill.model_path), "
-                          "or set distill.model_path= (empty) to train without one")  # fmt: skip
     if problem := mismatch_problem(cfg.algorithm) or partial_problem(cfg):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):

@@ -454,9 +454,9 @@ class Settings:
     video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
-    mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
     teacher: ModelShape | None = None  # distill.model_path's shape: a frozen bf16 shard, as the reference's
     teacher_offload: bool = False  # distill.offload: its shards in host memory, on the GPU for its forwards only
+    mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -801,9 +801,9 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         vllm_bytes=vllm_bytes,
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
-        mm_cache_gb=r.mm_cache_gb,
         teacher=teacher,
         teacher_offload=cfg.distill.offload,
+        mm_cache_gb=r.mm_cache_gb,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),
