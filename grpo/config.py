@@ -152,6 +152,15 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    # on-policy distillation (distill.py): a frozen teacher's log-probs of the policy's own sampled tokens give each
+    # answer token coef x (log p_teacher - log p_policy) more advantage, beside the reward's
+    model_path: str = ""  # the teacher: a checkpoint of a supported family with the policy's tokenizer; "" = off
+    coef: float = 1.0  # weight of the teacher's per-token term (with a zero reward: pure distillation)
+    offload: bool = False  # keep the teacher's shards in CPU memory (FSDP2 CPU offload, as actor.ref_offload)
+
+
+@dataclass
 class TrainerConfig:
     output_dir: str = "outputs/geo3k"
     total_epochs: int = 15
@@ -180,6 +189,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -345,6 +355,9 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         )
     if not 0 <= a.lora_dropout < 1:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
+    if cfg.distill.model_path and cfg.distill.coef <= 0:
+        raise ConfigError(f"distill.coef={cfg.distill.coef} must be > 0 with a teacher (distill.model_path), "
+                          "or set distill.model_path= (empty) to train without one")  # fmt: skip
     if problem := optimizer_problem(a, r.engine):
         raise ConfigError(problem)
     if r.sleep_level not in (-1, 0, 1, 2):

@@ -137,6 +137,11 @@ KNOWN_SHAPES = {
     "Qwen/Qwen3-VL-8B-Instruct": ModelShape(
         4096, 12288, 36, 32, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
     ),
+    # a distillation teacher for the 8B (configs/qwen3_vl_8b_distill_32b.yaml): its published config.json's numbers
+    # (33.4 B parameters), checked against transformers' model built on the meta device
+    "Qwen/Qwen3-VL-32B-Instruct": ModelShape(
+        5120, 25600, 64, 64, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
+    ),
     "Qwen/Qwen3.5-9B": ModelShape(
         4096, 12288, 32, 16, 4, 248320, tied=False, family="qwen3_5", head_dim=256, linear_layers=24,
         linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
@@ -204,9 +209,9 @@ def shape_from_config(config: dict) -> ModelShape:
     )
 
 
-def read_model_shape(model_path: str) -> ModelShape:
+def read_model_shape(model_path: str, key: str = "actor.model_path") -> ModelShape:
     """A local directory's config.json, else a known hub id's embedded numbers, else the hub's config.json (from the
-    cache, or downloaded: a few kB, never the weights)."""
+    cache, or downloaded: a few kB, never the weights). `key`: the config key that names it, for the errors."""
     if os.path.isdir(model_path):
         path = os.path.join(model_path, "config.json")
     elif model_path in KNOWN_SHAPES:
@@ -217,15 +222,13 @@ def read_model_shape(model_path: str) -> ModelShape:
         try:
             path = hf_hub_download(model_path, "config.json")
         except Exception as e:  # offline and not cached, no such repository, no network
-            raise PlanError(
-                f"actor.model_path={model_path!r}: cannot read its config.json to plan memory ({e})"
-            ) from None
+            raise PlanError(f"{key}={model_path!r}: cannot read its config.json to plan memory ({e})") from None
     try:
         with open(path) as f:
             return shape_from_config(json.load(f))
     except (OSError, KeyError, json.JSONDecodeError) as e:
         raise PlanError(
-            f"actor.model_path={model_path!r}: {path} is not a config.json of a supported family "
+            f"{key}={model_path!r}: {path} is not a config.json of a supported family "
             f"({', '.join(PARAM_COUNTS)}): {e!r}"
         ) from None
 
@@ -502,6 +505,8 @@ class Settings:
     video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
+    teacher: ModelShape | None = None  # distill.model_path's shape: a frozen bf16 shard, as the reference's
+    teacher_offload: bool = False  # distill.offload: its shards in host memory, on the GPU for its forwards only
     mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
     route_tokens: int = 0  # algorithm.routing_replay=r3: tokens whose routes a rank holds (its samples x seq_len)
 
@@ -532,6 +537,9 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     reference = x.reference and not x.lora_rank  # a second model to hold
     with_vllm = x.engine == "vllm"
     b = x.master_bytes  # 4, or 2 with bf16 masters (optim.AdamWBF16: weights, gradients and moments in bf16)
+    # A distillation teacher: a frozen bf16 shard of its own shape (it may be larger than the policy), used in the
+    # log-prob phase only; its units are gathered there as the reference's are
+    nt = count_params(x.teacher) if x.teacher else None
     states = {
         # master weights (the whole model in their dtype), or with LoRA the bf16 base and fp32 adapters
         "params": (2 * n["total"] + 4 * adapters if x.lora_rank else b * n["total"]) / x.world,
@@ -539,6 +547,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "adam": 2 * b * trains["total"] / x.world,  # exp_avg and exp_avg_sq
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
     }
+    if nt:
+        states["teacher"] = 0 if x.teacher_offload else 2 * nt["total"] / x.world
     # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py's
     # arenas, their exact size; pinned on CUDA); the moments stay there but for each optimizer step
     offloaded = {
@@ -546,6 +556,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "reference": states["reference"] if x.offload_params and with_vllm else 0,
         "adam": states["adam"] if x.offload_optimizer else 0,
     }
+    if nt:
+        offloaded["teacher"] = states["teacher"] if x.offload_params and with_vllm else 0
     # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
     pair = n["layer"] + max(n["vision"], n["layer"])
@@ -578,11 +590,18 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
     tn = x.nograd_tokens
-    nograd = max(
-        2 * tn * (4 * s.hidden + 3 * s.active_intermediate),
-        2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
-    )
-    nograd += head(tn, False)
+
+    def nograd_activations(m: ModelShape) -> float:
+        layer = 2 * tn * (4 * m.hidden + 3 * m.active_intermediate)
+        tower = 2 * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
+        return max(layer, tower) + HEAD_CHUNK * m.vocab * 14 + 2 * tn * m.hidden  # + a chunk of its head, no grad
+
+    nograd = nograd_activations(s)
+    # the teacher runs last: every root stays gathered, beside its own block pair (its own width, its own head)
+    teacher_gathered = 0
+    if nt:
+        nograd = max(nograd, nograd_activations(x.teacher))
+        teacher_gathered = 2 * nt["root"] + max(0, 2 * (nt["layer"] + max(nt["vision"], nt["layer"])) - 2 * pair)
     resident = {**states, "adam": 0} if x.offload_optimizer else states  # on the device outside optimizer steps
     awake = (x.vllm_bytes or x.vllm_util * x.gpu_bytes) if with_vllm else 0.0  # vLLM takes its share of the device
     never_sleeps = {"vllm awake": awake} if with_vllm and x.sleep_level == 0 else {}
@@ -598,7 +617,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "log-probs": {
             **resident,
             "grads": 0,
-            "gathered": gathered + adapted + (2 * n["root"] if reference else 0),
+            "gathered": gathered + adapted + (2 * n["root"] if reference else 0) + teacher_gathered,
             "activations": nograd,
             **never_sleeps,
             "runtime": RUNTIME,
@@ -647,14 +666,17 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
-        "read buffer": 2 * s.vocab * s.hidden,
+        "read buffer": 2 * max(s.vocab * s.hidden, x.teacher.vocab * x.teacher.hidden if nt else 0),
         "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
         "vllm sleep pools": sum(pinned_block(n) for n in pools["runtime"] + pools["cudagraph"]),
     }
+    if nt:  # the teacher's bf16 shard, read as the reference's is (in host memory for good with distill.offload)
+        host["teacher"] = 2 * nt["total"] / x.world
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
     return {
         "params": n,
+        "teacher_params": nt,
         "phases": phases,
         "host": host,
         "vllm_min": vllm_min if with_vllm else 0.0,
@@ -715,6 +737,8 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
         out.append(("adam", "set actor.master_dtype=bf16 (weights, gradients and AdamW moments in bf16: half of each)"))
     if x.reference and not x.ref_offload and fits(ref_offload=True):
         out.append(("reference", "set actor.ref_offload=true (the reference's shards in host memory)"))
+    if x.teacher and not x.teacher_offload and fits(teacher_offload=True):
+        out.append(("teacher", "set distill.offload=true (the teacher's shards in host memory)"))
     if not x.freeze_vision and not x.lora_rank and fits(freeze_vision=True):
         out.append(("adam", "set actor.freeze_vision_tower=true"))
     if not x.lora_rank and x.lora_targets and fits(lora_rank=LORA_LEVER_RANK):
@@ -744,6 +768,7 @@ class Plan:
     gpu_source: str  # where the GPU's size came from
     keys: dict[str, str]  # the config keys behind train_tokens and nograd_tokens
     host_limit: float | None  # bytes a Slurm job may use per node (--mem), when Slurm says
+    teacher: str = ""  # distill.model_path, when a teacher distils into the policy
 
     @property
     def numbers(self) -> dict:
@@ -795,6 +820,7 @@ def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | Non
 
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
     shape = read_model_shape(a.model_path)
+    teacher = read_model_shape(cfg.distill.model_path, "distill.model_path") if cfg.distill.model_path else None
     seq_len = d.max_prompt_length + d.max_response_length
     # micro_batches() in train_grpo.py: a token budget, else a sequence count of at most seq_len tokens each
     train = ("actor.micro_batch_size", a.micro_batch_size * seq_len)
@@ -846,6 +872,8 @@ def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | Non
         vllm_bytes=vllm_bytes,
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
+        teacher=teacher,
+        teacher_offload=cfg.distill.offload,
         mm_cache_gb=r.mm_cache_gb,
         route_tokens=d.rollout_batch_size // world * r.n * seq_len if cfg.algorithm.routing_replay == "r3" else 0,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
@@ -856,7 +884,7 @@ def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | Non
     # a job over its --mem is killed by the cgroup without a traceback (docs/memory.md); Slurm says it in MB
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
-    return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit)
+    return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit, cfg.distill.model_path)
 
 
 def video_clip_tokens(s: ModelShape, max_frames: int, max_pixels: int) -> tuple[int, int]:
@@ -886,7 +914,7 @@ def format_plan(plan: Plan) -> str:
     """A few lines: the sharded states, each phase's further parts and total, the verdict, host memory at load."""
     x, numbers = plan.settings, plan.numbers
     phases, host, n = numbers["phases"], numbers["host"], numbers["params"]
-    states = ("params", "grads", "adam", "reference")
+    states = ("params", "grads", "adam", "reference", "teacher")
     size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
     if plan.shape.experts:  # a mixture of experts: all stored, the top-k computed
         size += f", {n['active'] / 1e9:.2f} B active" if n["active"] >= 1e8 else f", {n['active'] / 1e6:.2f} M active"
@@ -899,7 +927,7 @@ def format_plan(plan: Plan) -> str:
         f"memory plan, GiB per {device}: {plan.model} ({size} parameters), world {x.world}, "
         f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
         "  sharded    "
-        + " | ".join(f"{k} {_gib(numbers['states'][k])}" for k in states)
+        + " | ".join(f"{k} {_gib(numbers['states'][k])}" for k in states if k != "teacher" or x.teacher)
         + "  (exact; the rest estimated)",
     ]
     tokens = {"update": x.train_tokens, "log-probs": x.nograd_tokens}
@@ -907,9 +935,18 @@ def format_plan(plan: Plan) -> str:
         extra = [f"{k} {_gib(v)}" + (f" ({tokens[name]} tokens)" if k == "activations" else "")
                  for k, v in parts.items() if k not in states]  # fmt: skip
         # sharded states that are in host memory during this phase (offload), not on the GPU
-        away = [k for k in ("params", "adam", "reference") if numbers["states"][k] and not parts.get(k)]
+        away = [k for k in ("params", "adam", "reference", "teacher") if numbers["states"].get(k) and not parts.get(k)]
         without = f"(without {', '.join(away)}) " if away else ""
         lines.append(f"  {name:<10} {without}+ " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
+    if x.teacher:  # what distillation costs, beside the reference's when the KL to it is on too
+        nt = numbers["teacher_params"]
+        kind = "its shards in host memory, distill.offload" if x.teacher_offload else "its shard on the GPU"
+        ref = (f"; the reference {_gib(numbers['states']['reference'])} GiB beside it"
+               if x.reference and not x.lora_rank else "")  # fmt: skip
+        size_t = f"{nt['total'] / 1e9:.2f} B" if nt["total"] >= 1e8 else f"{nt['total'] / 1e6:.2f} M"
+        lines.insert(2, f"  teacher    {plan.teacher} ({size_t} parameters, {x.teacher.family}, bf16): "
+                        f"{_gib(2 * nt['total'] / x.world)} GiB a shard ({kind}){ref}; in the log-prob phase its "
+                        "root and blocks gathered and its activations, counted above")  # fmt: skip
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     worst = max(totals, key=totals.get)
     verdict = "fits" if _phase_over(plan.shape, x) is None else "DOES NOT FIT"
@@ -1008,6 +1045,7 @@ def plan_problem(plan: Plan) -> str | None:
         "activations": plan.keys["train_tokens" if phase == "update" else "nograd_tokens"],
         "vllm awake": "rollout.gpu_memory_utilization",
         "reference": "actor.ref_offload=true",
+        "teacher": "distill.offload=true",
         "adam": "more GPUs, actor.offload_optimizer=true, actor.master_dtype=bf16, actor.freeze_vision_tower=true or "
         "actor.lora_rank",
         "params": "actor.offload_params=true or actor.master_dtype=bf16",

@@ -796,3 +796,36 @@ def test_weight_sync_counts_a_moe_layers_experts_twice(config, model, per_layer_
     assert experts / 1e9 == pytest.approx(per_layer_gb, abs=0.005)
     sync = plan_memory(load_config(config, NODE), 8).numbers["phases"]["weight sync"]
     assert sync["layer reload"] == pytest.approx(experts * (1 + 1 / 2), rel=1e-12)  # TP 2
+
+
+P_32B = 33_357_390_064  # Qwen3-VL-32B-Instruct: its known shape, which transformers builds with as many (above)
+
+
+def test_distill_recipe_fits_one_node_and_counts_its_teacher(monkeypatch, capsys):
+    """Guards against a teacher the plan leaves out (a 32B's bf16 shard is 7.8 GiB a GPU of 8, more than the 8B's
+    reference) or counts at the policy's shape: the recipe's dry run names the teacher and fits; the shard leaves the
+    GPU with distill.offload and joins every phase without it; the log-prob phase holds the 32B's gathered root and
+    blocks beside the policy's; the lever that fits an over-full plan is named."""
+    _no_loading(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    config = "configs/qwen3_vl_8b_distill_32b.yaml"
+    assert main([config, "--dry-run", *NODE]) == 1  # the plan fits; the model's files need the hub
+    out = capsys.readouterr().out
+    assert "teacher    Qwen/Qwen3-VL-32B-Instruct (33.36 B parameters, qwen3_vl, bf16): 7.8 GiB a shard" in out
+    assert "the reference 2.0 GiB beside it" in out and "-> fits" in out and "ok    memory plan: fits" in out
+    plan = plan_memory(load_config(config, NODE), 8)
+    assert plan.teacher == "Qwen/Qwen3-VL-32B-Instruct" and plan.numbers["teacher_params"]["total"] == P_32B
+    assert plan.numbers["states"]["teacher"] == 0 and plan.numbers["host"]["teacher"] == pytest.approx(2 * P_32B / 8)
+    on_gpu = plan_memory(load_config(config, [*NODE, "distill.offload=false"]), 8).numbers
+    alone = plan_memory(load_config(config, [*NODE, "distill.model_path="]), 8).numbers
+    for phase in ("update", "log-probs", "rollout"):
+        assert on_gpu["phases"][phase]["teacher"] == pytest.approx(2 * P_32B / 8)
+        assert "teacher" not in alone["phases"][phase] or alone["phases"][phase]["teacher"] == 0
+    pair = lambda n: n["layer"] + max(n["vision"], n["layer"])  # noqa: E731 (a block and the one prefetched)
+    teacher, student = count_params(KNOWN_SHAPES["Qwen/Qwen3-VL-32B-Instruct"]), alone["params"]
+    extra = on_gpu["phases"]["log-probs"]["gathered"] - alone["phases"]["log-probs"]["gathered"]
+    assert extra == pytest.approx(2 * teacher["root"] + 2 * (pair(teacher) - pair(student)))  # its root, wider blocks
+    assert on_gpu["phases"]["update"]["gathered"] == alone["phases"]["update"]["gathered"]  # it has no backward
+    over = plan_problem(plan_memory(load_config(config, [*NODE, "distill.offload=false",
+                                                         "rollout.gpu_memory_utilization=0.7"]), 8))  # fmt: skip
+    assert "does not fit" in over and "set distill.offload=true" in over
