@@ -343,8 +343,10 @@ def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, n
                 if m is not None:
                     t0 = time.perf_counter()
                     off = adapters_disabled(m) if out is ref and m is model else contextlib.nullcontext()
+                    # the engine's routes are the policy's experts (replayed by it and its reference), not a teacher's
+                    inputs = {k: v for k, v in batch_inputs.items() if k != "routes"} if m is teacher else batch_inputs
                     with off:  # (the reference under LoRA: the policy's frozen base)
-                        logp = forward_logprobs(m, batch_inputs, response_ids, cfg.rollout.temperature)[0]  # (B, T)
+                        logp = forward_logprobs(m, inputs, response_ids, cfg.rollout.temperature)[0]  # (B, T)
                     logp = logp.cpu()
                     for row, i in enumerate(mb):
                         out[i] = logp[row, : lengths[row]]

@@ -134,3 +134,38 @@ def test_distill_demo_student_writes_as_its_teacher(tiny_model_dir, tmp_path):
     print(f"digits {first:.3f} -> {last:.3f}, reverse KL {kl_first:.3f} -> {kl_last:.3f}")
     assert last >= first + 0.2, (first, last)
     assert kl_last < kl_first - 0.1, (kl_first, kl_last)
+
+
+def test_a_teacher_routes_by_its_own_routers_under_routing_replay(tiny_family_dir, one_rank_group):
+    """Guards against the student's recorded routes reaching the teacher's forward: the routes are the policy's
+    experts, replayed by the policy (and its reference), meaningless for another model's routers. Student and teacher
+    are the same tiny Qwen3-VL-MoE checkpoint and the samples carry random routes: the student's log-probs follow
+    them, the teacher's must be its own routing's, as if no route were recorded."""
+    from transformers import AutoProcessor
+
+    import rollout
+    from grpo import loading, replay
+    from tests.test_packing import _mixed_batch
+
+    moe_dir = tiny_family_dir("qwen3_vl_moe")
+    cfg = train_grpo.load_config(None, [f"actor.model_path={moe_dir}", f"distill.model_path={moe_dir}",
+                                        "algorithm.routing_replay=r3"])  # fmt: skip
+    processor = AutoProcessor.from_pretrained(moe_dir)
+    prompts, responses = _mixed_batch(processor, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    cpu, pad_id = torch.device("cpu"), processor.tokenizer.pad_token_id
+    policy, _ = loading.load_policy_and_reference(cfg.actor, cpu, False, pad_id)
+    teacher = distill.load_teacher(cfg.distill, cfg.actor, cpu, pad_id)
+    text = policy.config.get_text_config()
+    layers = len(replay.moe.routers(policy))
+    gen, k = torch.Generator().manual_seed(0), text.num_experts_per_tok
+    pick = lambda n: torch.stack([torch.randperm(text.num_experts, generator=gen)[:k] for _ in range(n)])  # noqa: E731
+    routes = [pick((len(p.input_ids) + len(r)) * layers).view(-1, layers, k) for p, r in zip(prompts, responses)]
+    routed = [rollout.Sample(i, r, [0.0] * len(r), "", False, routes=x.to(torch.int8))
+              for i, (r, x) in enumerate(zip(responses, routes))]  # fmt: skip
+    plain = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
+    ids = (pad_id, policy.config.image_token_id)
+    policy.eval()
+    old, _, taught = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, routed, cfg, ids, True, teacher)
+    own, _, _ = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, plain, cfg, ids, True)
+    assert all(torch.allclose(t, o, atol=1e-6) for t, o in zip(taught, own))
+    assert max((t - o).abs().max().item() for t, o in zip(taught, old)) > 1e-3  # the student's followed the routes
