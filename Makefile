@@ -3,7 +3,7 @@ PY := .venv/bin/python
 TORCHRUN := .venv/bin/torchrun
 NPROC ?= 2
 
-.PHONY: venv test test-vllm026 demo demo-lora demo-vision demo-video demo-tools bench lint tiny-assets clean
+.PHONY: venv test test-vllm026 demo demo-lora demo-vision demo-video demo-tools demo-distill bench lint tiny-assets clean
 
 venv: .venv/.installed
 
@@ -42,7 +42,8 @@ PY026 := .venv026/bin/python
 
 test-vllm026: .venv026/.installed
 	OMP_NUM_THREADS=1 $(PY026) -m pytest -q tests/test_vllm.py tests/test_vllm_compat.py \
-		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]"
+		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]" \
+		tests/test_replay.py::test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest
 	$(PY026) scripts/make_tiny_model.py outputs/vllm026/tiny_model
 	$(PY026) -c "from scripts.make_synthetic_data import make_video_count_task as m; \
 		m('outputs/vllm026/train.parquet', 64, 0); m('outputs/vllm026/val.parquet', 8, 1)"
@@ -85,6 +86,12 @@ demo-lora: tiny-assets
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny.yaml \
 		actor.lora_rank=8 actor.lora_alpha=16 actor.lr=3e-3 trainer.output_dir=outputs/tiny_lora \
 		"actor.lora_target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+
+# on-policy distillation with no reward (docs/distill.md): the tiny model with its digits' logits raised teaches the
+# fresh one; the student's share of digits (reward/digits) must rise toward the teacher's, its reverse KL fall
+demo-distill: tiny-assets
+	$(PY) scripts/make_tiny_model.py outputs/tiny_teacher --digit-logit 5
+	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_distill.yaml
 
 # vLLM vs the training-model engine on the demo's prompts (128 new tokens each), and the weight-sync time
 bench: tiny-assets

@@ -229,6 +229,12 @@ def digit_fraction(response: str, ground_truth: str) -> dict[str, float]:
     return {"overall": fraction, "format": 0.0, "accuracy": float(fraction >= 0.5)}
 
 
+def digits_unrewarded(response: str, ground_truth: str) -> dict[str, float]:
+    """The distillation demo's reward: zero, so the teacher's per-token term is the only signal; the share of digits
+    (digit_fraction's) rides along as reward/digits, to watch the student write as its digit-writing teacher does."""
+    return {"overall": 0.0, "digits": digit_fraction(response, ground_truth)["overall"]}
+
+
 def first_digit(response: str, ground_truth: str) -> dict[str, float]:
     """The vision demo's reward: 1 when the first ASCII digit of the response is the answer (one digit). On the
     colour task (scripts/make_synthetic_data.py make_colour_task) the answer is only in the image, so a policy that

@@ -20,6 +20,8 @@ The algorithm, as the default config (configs/geo3k.yaml) runs it, each choice w
  8. Old log-probs are recomputed by the trainer once per rollout batch (skipped when a single on-policy
     update makes them equal to the detached current ones): compute_old_and_ref_logprobs.
  9. Validation before training and every `trainer.val_freq` steps at temperature 0.6 / top_p 0.95, n=1: validate.
+10. Optional on-policy distillation (distill.model_path; off by default): a frozen teacher's log-probs of the sampled
+    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_advantages.
 
 Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
@@ -48,12 +50,13 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import mismatch, partial, preflight, sequence_parallel, turns
+from grpo import mismatch, partial, preflight, replay, routing, sequence_parallel, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
+from grpo.distill import load_teacher, token_advantages
 from grpo.distributed import (
     StopSignal,
     max_over_ranks,
@@ -322,30 +325,43 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     return (examples, prompts, samples, results, stats), epoch, position
 
 
-def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old):
+def compute_old_and_ref_logprobs(model, ref_model, prompts, samples, cfg, ids, need_old, teacher=None, timings=None):
     """No-grad forwards over the rollout batch: per-sample log-probs (1-D, response length) under the policy that
-    sampled (old, or None) and under the reference (or None). With LoRA the reference is the policy itself
-    (`ref_model is model`) with its adapters switched off. The caller has the model in eval mode: no dropout, so
-    both are deterministic (lora_dropout acts only in update_policy's forwards, as dropout does in PPO trainers)."""
+    sampled (old, or None), under the reference (or None) and under the distillation teacher (or None; its forwards'
+    time in timings["time/teacher"]). With LoRA the reference is the policy itself (`ref_model is model`) with its
+    adapters switched off. The caller has the model in eval mode: no dropout, so all are deterministic (lora_dropout
+    acts only in update_policy's forwards, as dropout does in PPO trainers)."""
     # sequence parallelism: each rank of a group computes the group's samples together, and keeps its own
     prompts, samples, mine = sequence_parallel.share_group(prompts, samples, cfg.actor.sequence_parallel_size)
-    old, ref = [None] * len(samples), [None] * len(samples)
+    old, ref, taught = [None] * len(samples), [None] * len(samples), [None] * len(samples)
+    t_teacher = 0.0
     with torch.no_grad():
         for mb, _ in micro_batches(prompts, samples, range(len(samples)), cfg, grad=False):  # a re-run writes again
             batch_inputs, response_ids, mask = make_micro_batch(
                 prompts, samples, mb, ids, cfg.actor.padding_free, shares_prefixes(cfg.actor)
             )
             lengths = [len(samples[i].response_ids) for i in mb]  # (the mask has holes at tool turns)
-            for out, m in ((old, model if need_old else None), (ref, ref_model)):
+            for out, m in ((old, model if need_old else None), (ref, ref_model), (taught, teacher)):
                 if m is not None:
+                    t0 = time.perf_counter()
                     off = adapters_disabled(m) if out is ref and m is model else contextlib.nullcontext()
+                    # the engine's routes are the policy's experts (replayed by it and its reference), not a teacher's
+                    inputs = {k: v for k, v in batch_inputs.items() if k != "routes"} if m is teacher else batch_inputs
                     with off:  # (the reference under LoRA: the policy's frozen base)
-                        logp = forward_logprobs(m, batch_inputs, response_ids, cfg.rollout.temperature)[0]  # (B, T)
+                        logp = forward_logprobs(m, inputs, response_ids, cfg.rollout.temperature)[0]  # (B, T)
                     logp = logp.cpu()
                     for row, i in enumerate(mb):
                         out[i] = logp[row, : lengths[row]]
-    reshard(model, ref_model)
-    return (old[mine] if need_old else None), (ref[mine] if ref_model is not None else None)
+                    if m is teacher:
+                        t_teacher += time.perf_counter() - t0
+    reshard(model, ref_model, teacher)
+    if teacher is not None and timings is not None:
+        timings["time/teacher"] = t_teacher
+    return (
+        (old[mine] if need_old else None),
+        (ref[mine] if ref_model is not None else None),
+        (taught[mine] if teacher else None),
+    )
 
 
 def shape_scores(scores, samples, old_logps, ref_logps, cfg):
@@ -419,25 +435,29 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
     mb_prompts, responses = [prompts[samples[i].prompt_index] for i in mb], [samples[i].response_ids for i in mb]
     pad_id, image_token_id = ids
     tool_turns = [samples[i].turns for i in mb]  # tool turns inside answers: context, no loss (turns.py)
+    routes = [samples[i].routes for i in mb]  # the engine's experts per token, replayed (replay.py), or None
     if packed:
-        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns)
-    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns)
+        return pack(mb_prompts, responses, image_token_id, share_prompts=shared, turns=tool_turns, routes=routes)
+    return collate(mb_prompts, responses, pad_id, image_token_id, turns=tool_turns, routes=routes)
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats,
-                  step):  # fmt: skip
+                  step, teacher_logps=None):  # fmt: skip
     """One pass of PPO updates over the rollout batch: mini-batches of `global_batch_size` prompts, each an
-    optimizer step accumulated over micro-batches. `old_logps`/`ref_logps` are per-sample lists (None if unused)."""
+    optimizer step accumulated over micro-batches. `old_logps`/`ref_logps`/`teacher_logps` are per-sample lists (None
+    if unused). `advantages` (N,) is the reward's, one a sequence; a teacher's log-probs add a term per token."""
     a, world = cfg.actor, dist.get_world_size()
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device, shared = compute_device(model), shares_prefixes(a)
     stats.copies = a.sequence_parallel_size  # every rank of a group records the group's shares
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
+    all_teacher = teacher_logps
     for start in range(0, len(all_samples), seqs_per_step):
         # this optimizer step's sequences, each with its own prompt entry so that they can move between ranks
         items = [(all_prompts[all_samples[i].prompt_index], all_samples[i], all_advantages[i],
-                  all_old[i] if all_old else None, all_ref[i] if all_ref else None)
+                  all_old[i] if all_old else None, all_ref[i] if all_ref else None,
+                  all_teacher[i] if all_teacher else None)
                  for i in range(start, start + seqs_per_step)]  # fmt: skip
         moved, sp = 0, a.sequence_parallel_size
         items = sequence_parallel.share_items(items, sp)  # a sequence-parallel group's ranks run the same sequences
@@ -453,6 +473,7 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         advantages = torch.stack([torch.as_tensor(it[2]) for it in items])  # (S,)
         old_logps = [it[3] for it in items] if all_old else None
         ref_logps = [it[4] for it in items] if all_ref else None
+        teacher_logps = [it[5] for it in items] if all_teacher else None
         chunk = range(len(items))
         # Totals of the whole optimizer step over every rank, so each micro-batch contributes its exact share of the
         # full-batch mean (every rank reaches this all_reduce once per optimizer step).
@@ -477,7 +498,10 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
             mask, weights = mismatch.measure_and_correct(trainer_logp, mask, prompts, samples, mb, cfg.algorithm, stats)
-            adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1)
+            adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1): the reward's, the same for every token
+            if teacher_logps:  # on-policy distillation: plus the teacher's term, token by token (grpo/distill.py)
+                taught = stack_padded([teacher_logps[i] for i in mb], t_len, device)  # (B, T)
+                adv = token_advantages(adv, old, taught, mask, cfg.distill.coef, num_tokens, stats)  # (B, T)
             pg, clipped = policy_loss(
                 logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
             )
@@ -724,11 +748,12 @@ def main(argv=None):
     tokenizer = processor.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model, ref_model = load_policy_and_reference(a, device, cfg.algorithm.kl_coef > 0, pad_id)
+    teacher = load_teacher(cfg.distill, a, device, pad_id)  # None without distill.model_path
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # (a DTensor counts its full size)
     print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
     ids = (pad_id, model.config.image_token_id)
     optimizer, scheduler = make_optimizer(model, a)
-    offload.hold(model, ref_model, optimizer, a)  # to host while the KV cache is awake, and back
+    offload.hold(model, ref_model, optimizer, a, teacher, cfg.distill.offload)  # to host while generating, and back
     logger = MetricsLogger(cfg.trainer.output_dir, total_steps, cfg.trainer.logger, enabled=rank == 0, cfg=cfg)
     # one on-policy pass: the detached current log-probs ARE the old ones, so skip that forward
     need_old = a.ppo_epochs > 1 or a.global_batch_size < cfg.data.rollout_batch_size or cfg.algorithm.kl_in_reward
@@ -760,6 +785,8 @@ def main(argv=None):
         )
         _, prompts, samples, results, _ = batch
         scores = torch.tensor([x["overall"] for x in results], dtype=torch.float32)  # (N,)
+        if cfg.algorithm.routing_replay == "r3":  # answers the engine did not record whole (tool turns, carried)
+            routing.record_routes(engine, model, prompts, samples)
         engine.sleep()
         reshard(model)
         timings["time/rollout"] = time.perf_counter() - t0 - timings["time/reward"]
@@ -768,8 +795,8 @@ def main(argv=None):
         # ------------------------------------------------------------------------------------ old/ref log-probs
         t0 = phase("log-probs and advantages")
         guard = step == guard_step  # the guard compares the trainer's log-probs with the engine's: it needs them
-        old_logps, ref_logps = compute_old_and_ref_logprobs(
-            model, ref_model, prompts, samples, cfg, ids, need_old or guard
+        old_logps, ref_logps, teacher_logps = compute_old_and_ref_logprobs(
+            model, ref_model, prompts, samples, cfg, ids, need_old or guard, teacher, timings
         )
         if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts
             mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard, step)
@@ -787,15 +814,16 @@ def main(argv=None):
         model.train()
         stats = StepStats()
         for _ in range(a.ppo_epochs):
-            update_policy(
-                model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats, step
-            )
+            update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids,
+                          stats, step, teacher_logps)  # fmt: skip
         timings["time/train"] = time.perf_counter() - t0
         # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
 
         # ------------------------------------------------------------------------------------------------- log
         phase("metrics")
         metrics = step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, scheduler, scorer)
+        if cfg.algorithm.routing_replay == "r3":  # the routes replayed, and how often the trainer's own differ
+            metrics.update(replay.step_metrics(model, samples))
 
         # --------------------------------------------------------------------------------------------- validate
         freq = cfg.trainer.val_freq

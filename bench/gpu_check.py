@@ -360,7 +360,8 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
     """vLLM's log-prob of each token it sampled against the trainer's (logprobs.forward_logprobs, FSDP2) after a weight
     sync, for text prompts (the data's, its image dropped) and image prompts apart: max and mean |diff| over the
     sampled tokens. bf16 on the GPU (what a run compares as rollout/logprob_diff_*), fp32 on CPU. For an MoE family
-    also the share of (token, layer) pairs the two route to other experts (routing.agreement). One rank; vLLM's
+    also the share of (token, layer) pairs the two route to other experts (routing.agreement), and the image
+    answers' log-prob gap with routing replay on (the trainer routed by the engine's record). One rank; vLLM's
     engine must be this process's first (its parallel state is per process), so main() runs it in a fresh one."""
     from types import SimpleNamespace
 
@@ -408,6 +409,15 @@ def engine_vs_trainer(model_dir, data_dir, response_tokens, enforce_eager=False,
         result[modality] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     if families.family(model).moe:  # over the image prompts' sequences (text and vision tokens), an answer a prompt
         result["routing"] = routing.agreement(engine, model, encoded, samples[::n], pad_id)
+        # replay on (algorithm.routing_replay=r3): the engine's routes of its samples, and the trainer's log-probs
+        # routed by them; the disagreement of the replayed forward is the share above (the same routers' choices)
+        routing.record_routes(engine, model, encoded, samples)
+        batch, response_ids, mask = batching.collate(answered, responses, pad_id, image_token_id,
+                                                     routes=[s.routes for s in samples])  # fmt: skip
+        with torch.no_grad():
+            logp = logprobs.forward_logprobs(model, batch, response_ids, 1.0)[0].float().cpu()  # (B, T)
+        diff = (engine_logp - logp).abs()[mask.bool()]
+        result["image_replayed"] = {"max": diff.max().item(), "mean": diff.mean().item(), "tokens": diff.numel()}
     result["seeding"] = seeding_cost(engine, encoded, at_once, response_tokens)
     distributed.shut_down(engine)  # the engine, then the process group, as the trainer ends
     return result
@@ -705,7 +715,7 @@ def main(argv=None):
                   f"; a sleep frees {mem['freed_by_sleep_gib']:.1f} GiB; free before/after each sleep "
                   f"{mem['free_gib_before_after_each_sleep']}")  # fmt: skip
         for modality, d in engine_agreement.items():
-            if modality in ("text", "image"):
+            if modality in ("text", "image", "image_replayed"):  # (image_replayed: routing replay on, an MoE)
                 print(f"  vLLM vs trainer log-probs of vLLM's samples ({engine_agreement['dtype']}, {modality}, "
                       f"{d['tokens']} tokens): max |diff| {d['max']:.3f}, mean {d['mean']:.4f}")  # fmt: skip
         if "seeding" in engine_agreement:

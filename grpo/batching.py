@@ -7,7 +7,8 @@
 - stack_padded: per-sequence rows (log-probs) as one zero-padded micro-batch tensor.
 - collate / pack: lay a micro-batch of prompts and answers out for the model's forward, padded
   ([left-padded prompt | right-padded answer] per row) or packed (all sequences back to back in one row, optionally
-  each prompt once before its group's answers).
+  each prompt once before its group's answers); padded_routes / packed_routes: routing replay's recorded experts
+  (replay.py) in the same two layouts.
 
 The planning functions work on token counts and lists of items; the loop in train_grpo.py builds the micro-batches
 from them with collate or pack.
@@ -20,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
+NO_ROUTE = -1  # routing replay: a token the engine recorded no experts for; the trainer's router routes it
 # what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -152,11 +154,12 @@ def mask_tool_turns(mask_row: torch.Tensor, turns) -> None:
         mask_row[turn.start : turn.start + len(turn.input_ids)] = 0
 
 
-def collate(prompts, responses, pad_id, image_token_id, turns=None):
+def collate(prompts, responses, pad_id, image_token_id, turns=None, routes=None):
     """Lay each sequence out as [left-padded prompt | right-padded response]: every response starts at the same
     column, so the model needs logits only for the last T + 1 positions. `turns`: per response, the tool turns inside
     it (turns.ToolTurn; None: none): their image tokens are typed, their pixels follow the prompt's, their tokens are
-    out of the response mask.
+    out of the response mask. `routes`: per response, its recorded experts (Sample.routes) or None; when any has
+    some, the inputs carry `routes` laid out as the tokens are (padded_routes), for forward_logprobs.
 
     Returns the model inputs, `response_ids` (B, T) and `response_mask` (B, T).
     """
@@ -178,6 +181,9 @@ def collate(prompts, responses, pad_id, image_token_id, turns=None):
         response_mask[i, : len(r)] = 1
         mask_tool_turns(response_mask[i], turns[i])
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "mm_token_type_ids": types}
+    if routes is not None and routes_shape(routes) is not None:
+        inputs["routes"] = padded_routes(routes, [len(p.input_ids) for p in prompts],
+                                                [len(r) for r in responses], p_len, t_len)  # fmt: skip
     vision = [x for p, ts in zip(prompts, turns) for x in (p, *ts)]  # in token order: a prompt, its answer's turns
     return {**inputs, **stacked_images(vision)}, input_ids[:, p_len:], response_mask
 
@@ -193,13 +199,15 @@ def stacked_images(prompts) -> dict:
     return stacked
 
 
-def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
+def pack(prompts, responses, image_token_id, share_prompts=False, turns=None, routes=None):
     """Padding-free layout: every [prompt | response] back to back in ONE row, no pad token anywhere. With
     `share_prompts`, consecutive sequences with the same prompt (the same Prompt object) become one part
     [prompt | response 1 | ... | response k]: the prompt and its images are in the row once, and the attention lets
     each response see the prompt but not the other responses (attention.PackedLayout).
 
     `turns` as in `collate`: a part's images are its prompt's, then each of its answers' tool turns', in row order.
+    `routes` as in `collate`, packed as the tokens are (packed_routes): a shared prompt's routes once, its
+    first answer's record's (the answers of a group were prefilled from the same prompt).
 
     Returns the same triple as `collate`, so the loss code does not care which layout it got: `response_ids` and
     `response_mask` (B, T) stay padded (they are small), only the model input is packed. The inputs carry three
@@ -210,10 +218,11 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
     turns = turns or [[] for _ in responses]
     response_ids = torch.zeros((len(prompts), t_len), dtype=torch.long)  # (B, T)
     response_mask = torch.zeros((len(prompts), t_len), dtype=torch.float32)  # (B, T)
-    pieces, types, part_prompts, group_sizes, vision = [], [], [], [], []
+    pieces, types, part_prompts, group_sizes, vision, starts_part = [], [], [], [], [], []
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = torch.as_tensor(r, dtype=torch.long)
-        if not (share_prompts and i > 0 and p is prompts[i - 1]):
+        starts_part.append(not (share_prompts and i > 0 and p is prompts[i - 1]))
+        if starts_part[-1]:
             pieces.append(p.input_ids)
             types.append(token_types(p, image_token_id))
             part_prompts.append(p)
@@ -234,6 +243,9 @@ def pack(prompts, responses, image_token_id, share_prompts=False, turns=None):
         "group_sizes": torch.tensor(group_sizes),  # (G,)
         "response_lens": torch.tensor([len(r) for r in responses]),  # (B,)
     }
+    if routes is not None and routes_shape(routes) is not None:
+        inputs["routes"] = packed_routes(routes, [len(p.input_ids) for p in prompts],
+                                                [len(r) for r in responses], starts_part)  # fmt: skip
     return {**inputs, **stacked_images(vision)}, response_ids, response_mask
 
 
@@ -243,3 +255,48 @@ def stack_padded(rows, t_len, device):
     for i, row in enumerate(rows):
         out[i, : row.numel()] = row.to(device)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Routing replay's routes (replay.py) laid out as the tokens are.
+
+
+def _part(routes, start: int, stop: int, shape, dtype) -> torch.Tensor:
+    """Rows [start, stop) of a sample's routes, NO_ROUTE where it has none (or no record at all)."""
+    have = None if routes is None else routes[start:stop].to(dtype)
+    if have is not None and len(have) == stop - start:
+        return have  # (a view: the caller's cat or copy is the only copy)
+    out = torch.full((stop - start, *shape), NO_ROUTE, dtype=dtype)
+    if have is not None:
+        out[: len(have)] = have
+    return out
+
+
+def routes_shape(routes) -> tuple | None:
+    """(layers, k) of the first record, or None when no sample has one (nothing to replay)."""
+    return next((tuple(r.shape[1:]) for r in routes if r is not None), None)
+
+
+def _dtype(routes) -> torch.dtype:
+    """The records' integer type (int8 or int16, route_dtype), kept in the micro-batch: it goes to the device."""
+    return next(r.dtype for r in routes if r is not None)
+
+
+def padded_routes(routes, prompt_lens, response_lens, p_len: int, t_len: int) -> torch.Tensor:
+    """batching.collate's layout: (B * (p_len + t_len), layers, k), each row's prompt right-aligned at p_len and its
+    answer after it, NO_ROUTE on the pads."""
+    shape, dtype = routes_shape(routes), _dtype(routes)
+    out = torch.full((len(routes), p_len + t_len, *shape), NO_ROUTE, dtype=dtype)
+    for i, (r, p, n) in enumerate(zip(routes, prompt_lens, response_lens)):
+        out[i, p_len - p : p_len + n] = _part(r, 0, p + n, shape, dtype)
+    return out.flatten(0, 1)
+
+
+def packed_routes(routes, prompt_lens, response_lens, starts_part) -> torch.Tensor:
+    """batching.pack's layout: (L, layers, k), the sequences back to back; a sample that starts a part brings its
+    prompt's routes, the others of a shared-prefix part only their answers' (the prompt is in the row once)."""
+    shape, dtype = routes_shape(routes), _dtype(routes)
+    pieces = []
+    for r, p, n, first in zip(routes, prompt_lens, response_lens, starts_part):
+        pieces.append(_part(r, 0 if first else p, p + n, shape, dtype))
+    return torch.cat(pieces)

@@ -67,6 +67,8 @@ class AlgorithmConfig:
     filter_low: float = 0.01  # drop groups with mean <= filter_low (all wrong) ...
     filter_high: float = 0.99  # ... or >= filter_high (all right): they have zero advantage anyway
     max_filter_rounds: int = 8  # rollout rounds per step before giving up with an error
+    # MoE: r3 = every trainer forward routes each token to the experts the engine chose for it (replay.py); none
+    routing_replay: str = "none"
 
 
 @dataclass
@@ -153,6 +155,15 @@ class RewardConfig:
 
 
 @dataclass
+class DistillConfig:
+    # on-policy distillation (distill.py): a frozen teacher's log-probs of the policy's own sampled tokens give each
+    # answer token coef x (log p_teacher - log p_policy) more advantage, beside the reward's
+    model_path: str = ""  # the teacher: a checkpoint of a supported family with the policy's tokenizer; "" = off
+    coef: float = 1.0  # weight of the teacher's per-token term (with a zero reward: pure distillation)
+    offload: bool = False  # keep the teacher's shards in CPU memory (FSDP2 CPU offload, as actor.ref_offload)
+
+
+@dataclass
 class TrainerConfig:
     output_dir: str = "outputs/geo3k"
     total_epochs: int = 15
@@ -181,6 +192,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -343,6 +355,8 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         )
     if sp > 1 and a.router_aux_loss_coef > 0:  # each rank would weigh its slice's routing by the group's tokens
         raise ConfigError(f"actor.sequence_parallel_size={sp} with actor.router_aux_loss_coef > 0 is not supported")
+    if sp > 1 and cfg.algorithm.routing_replay != "none":  # the replayed routes are the whole row's, not cut yet
+        raise ConfigError(f"actor.sequence_parallel_size={sp} with algorithm.routing_replay is not supported yet")
     if r.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.engine=vllm but vllm is not installed (see requirements*.txt), or use engine=hf")
     if r.tensor_parallel_size < 1 or world_size % r.tensor_parallel_size:
@@ -356,10 +370,15 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         )
     if not 0 <= a.lora_dropout < 1:
         raise ConfigError(f"actor.lora_dropout={a.lora_dropout} must be in [0, 1)")
+    if cfg.distill.model_path and cfg.distill.coef <= 0:
+        raise ConfigError(f"distill.coef={cfg.distill.coef} must be > 0 with a teacher (distill.model_path), "
+                          "or set distill.model_path= (empty) to train without one")  # fmt: skip
     if problem := optimizer_problem(a, r.engine):
         raise ConfigError(problem)
     if r.sleep_level not in (-1, 0, 1, 2):
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
+    if alg.routing_replay not in ("none", "r3"):  # (replay.MODES)
+        raise ConfigError(f"algorithm.routing_replay={alg.routing_replay!r}; valid: none, r3 (MoE models: replay.py)")
     if problem := mismatch_problem(cfg.algorithm) or partial_problem(cfg):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):

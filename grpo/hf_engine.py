@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grpo import families, logprobs
+from grpo import families, logprobs, moe, replay, routing
 from grpo.batching import VISION_INPUTS, collate, pack
 from grpo.samples import Prompt, Sample, SamplingParams, vision_token_ids
 
@@ -35,6 +35,7 @@ class HFEngine:
         self.stats = {}  # counts of the last generate call: none of its own
         self.offload = offload  # what to move to host memory while generating (offload.TrainerOffload), or None
         self.carry = carry  # partial rollouts' answers in flight: always None here (they need vLLM's generate_until)
+        self.record_routes = cfg.algorithm.routing_replay == "r3"  # each answer's experts, for the trainer (replay.py)
 
     def wake(self):
         pass
@@ -84,12 +85,14 @@ class HFEngine:
             real = chunks[k] if k < len(chunks) else []  # past its own chunks a rank runs filler calls
             chunk_prompts = [prompts[i] for i in real] or filler
             answers = self._sample_chunk(chunk_prompts, gen_cfg, chunk_seed(seed, k), temperature, world)
-            for i, (ids, logp, truncated) in zip(real, answers):
+            for i, (ids, logp, truncated, routes) in zip(real, answers):
                 cap = prompts[i].max_tokens
                 if cap is not None and len(ids) > cap:  # one generate call has one length limit: cut to the prompt's
                     ids, logp, truncated = ids[:cap], logp[:cap], True
+                    routes = None if routes is None else routes[: len(prompts[i].input_ids) + cap]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                samples.append(Sample(prompt_index=i, response_ids=ids, logprobs=logp, text=text, truncated=truncated))
+                samples.append(Sample(prompt_index=i, response_ids=ids, logprobs=logp, text=text, truncated=truncated,
+                                      routes=routes))  # fmt: skip
         return samples
 
     def _agree_on_calls(self, prompts, chunks, world):
@@ -116,8 +119,10 @@ class HFEngine:
 
     def _sample_chunk(self, prompts, gen_cfg, seed, temperature, world):
         """One generate call on `prompts` (one sequence each), then one no-grad forward for the log-probs of what it
-        sampled. Returns (response ids cut after the first end-of-sequence token, their log-probs, truncated) per
-        prompt."""
+        sampled. Returns (response ids cut after the first end-of-sequence token, their log-probs, truncated, routes)
+        per prompt. With routing replay the routers' choices are recorded during generate (the prefill, then each
+        decode step: replay.generate_routes), and the log-prob forward replays them, so the log-probs are those of
+        the routes that sampled; routes is None otherwise."""
         device = logprobs.compute_device(self.model)
         inputs, _, _ = collate(prompts, [[] for _ in prompts], self.pad_id, self.image_token_id)
         inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -130,21 +135,35 @@ class HFEngine:
             if logprobs.generate_encodes_images_first(self.model):
                 logprobs.vision_dummy(self.model)  # where generate runs the tower on another rank's images
         torch.manual_seed(seed)
-        with one_pass:
-            sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P + R)
+        replay.clear(self.model)  # the last training forward's routes are no record of this call's tokens
+        rows, handles = (routing.record(moe.routers(self.model), lambda out: out[2]) if self.record_routes
+                         else (None, []))  # fmt: skip
+        try:
+            with one_pass:
+                sequences = self.model.generate(**inputs, generation_config=gen_cfg, synced_gpus=world > 1)  # (C, P+R)
+        finally:
+            for h in handles:
+                h.remove()
+        width = inputs["input_ids"].shape[1]
         responses, truncated = [], []
         stops = set(gen_cfg.eos_token_id)
-        for ids in sequences[:, inputs["input_ids"].shape[1] :].tolist():  # pad after the EOS of a finished row
+        for ids in sequences[:, width:].tolist():  # pad after the EOS of a finished row
             end = next((t + 1 for t, tok in enumerate(ids) if tok in stops), None)
             responses.append(ids if end is None else ids[:end])
             truncated.append(end is None)
         del inputs, sequences  # the KV cache went with the call: the forward below has the memory to itself
+        routes = [None] * len(prompts)
+        if rows is not None:
+            dtype = replay.route_dtype(self.model.config.get_text_config().num_experts)
+            routes = replay.generate_routes(rows, [len(p.input_ids) for p in prompts], width,
+                                            [len(r) for r in responses], dtype)  # fmt: skip
         if self.packed:
-            batch, response_ids, _ = pack(prompts, responses, self.image_token_id)
+            batch, response_ids, _ = pack(prompts, responses, self.image_token_id, routes=routes)
         else:
-            batch, response_ids, _ = collate(prompts, responses, self.pad_id, self.image_token_id)
+            batch, response_ids, _ = collate(prompts, responses, self.pad_id, self.image_token_id, routes=routes)
         logp = logprobs.forward_logprobs(self.model, batch, response_ids, temperature)[0].cpu()  # (C, T)
-        return [(ids, logp[row, : len(ids)].tolist(), cut) for row, (ids, cut) in enumerate(zip(responses, truncated))]
+        return [(ids, logp[row, : len(ids)].tolist(), cut, routes[row])
+                for row, (ids, cut) in enumerate(zip(responses, truncated))]  # fmt: skip
 
 
 def chunk_seed(seed: int, chunk: int) -> int:

@@ -28,14 +28,14 @@ from grpo.logprobs import add_vision_dummy, compute_device, text_after_vision_co
 from grpo.lora import add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
 
 
-def unsupported_model(path: str, needs_experts: bool = False) -> str | None:
+def unsupported_model(path: str, needs_experts: str | None = None) -> str | None:
     """Why the checkpoint at `path` (a local directory, or a hub id in the local cache) cannot be trained here, or
     None. from_pretrained would load a checkpoint of another family into one of ours, warn about the weights it
     leaves random, and train the result: this stops first, naming the model_type, or, for a local directory of a
     supported type, the first tensors that are missing or unexpected (the model built on the meta device, the
     safetensors' headers read: seconds even for a large model), or an image processor of another family. A hub id
-    not in the cache is checked by load_model, once its files are downloaded. `needs_experts`: the config asks for
-    what only a mixture of experts has (actor.router_aux_loss_coef)."""
+    not in the cache is checked by load_model, once its files are downloaded. `needs_experts`: the config key that
+    asks for what only a mixture of experts has, and what it does ("actor.router_aux_loss_coef balances"), or None."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         from huggingface_hub import try_to_load_from_cache
@@ -49,7 +49,7 @@ def unsupported_model(path: str, needs_experts: bool = False) -> str | None:
         model_type = json.load(f).get("model_type")
     problem = unsupported_type(model_type)
     if not problem and needs_experts and not FAMILIES[model_type].moe:
-        problem = f"actor.router_aux_loss_coef balances routed experts; a {model_type} model has none"
+        problem = f"{needs_experts} routed experts; a {model_type} model has none"
     if problem or not os.path.isdir(path):
         return problem
     from transformers import AutoConfig, AutoModelForImageTextToText

@@ -39,6 +39,7 @@ class MetricsLogger:
         ("reward/overall", "reward", ".3f"),
         ("reward/accuracy", "acc", ".3f"),
         ("actor/kl", "kl", ".1e"),
+        ("distill/reverse_kl", "rkl", ".3f"),  # with a distillation teacher: the reverse KL to it
         ("actor/grad_norm", "gnorm", ".2f"),
         ("response_length/mean", "len", ".0f"),
         ("val/accuracy", "val", ".3f"),

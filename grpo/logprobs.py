@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from grpo import sequence_parallel
+from grpo import replay, sequence_parallel
 from grpo.attention import PackedLayout
 from grpo.lora import LORA_ADAPTER
 
@@ -218,7 +218,19 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     answers only); its response log-probs come back in the same padded (B, T) layout as the padded path's."""
     device = compute_device(model)
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
+    routes = inputs.pop("routes", None)  # the engine's recorded experts of every token (replay.py), or None
     labels = response_ids.to(device)  # (B, T)
+    with replay.replaying(model, routes):
+        out = _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device)
+    logp = out[..., 0]  # (B, T)
+    entropy = None
+    if with_entropy:
+        entropy = out[..., 1] if entropy_grad and torch.is_grad_enabled() else out[..., 1].detach()  # (B, T)
+    return logp, entropy
+
+
+def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device):
+    """forward_logprobs' forward: (B, T, 1 or 2) log-probs (and entropies) in the padded layout."""
     if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
         # (the state at the last position predicts nothing we sampled; the head drops it)
         out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
@@ -250,11 +262,7 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
         flat = flat[0]  # (R, 1 or 2)
         valid = torch.arange(labels.shape[1], device=device)[None] < response_lens.to(device)[:, None]  # (B, T)
         out = flat.new_zeros(*labels.shape, flat.shape[-1]).masked_scatter(valid[..., None], flat)  # (B, T, 1 or 2)
-    logp = out[..., 0]  # (B, T)
-    entropy = None
-    if with_entropy:
-        entropy = out[..., 1] if entropy_grad and torch.is_grad_enabled() else out[..., 1].detach()  # (B, T)
-    return logp, entropy
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

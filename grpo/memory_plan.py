@@ -20,7 +20,12 @@ What is exact and what is estimated:
   context, NCCL buffers and what vLLM keeps while asleep. Fragmentation is what FIT_SHARE leaves free. The weight
   sync's layer reload (reload_peak: vLLM's largest layer, whole as sent and again as materialised) and, at sleep level
   1, vLLM's pinned host copy of its weights: torch's power-of-two rounding of each block exactly, vLLM's allocations
-  modelled from the model's tensors (vllm_tensors, pinned_copy).
+  modelled from the model's tensors (vllm_tensors, pinned_copy). From vLLM 0.32.0 on its sleep also copies its
+  "runtime" and "cudagraph" pools to pinned host memory, at every level (vllm sleep pools): the first holds the
+  runner's block tables, slot mappings and sampling vectors, sized from rollout.max_num_seqs and the sequence length
+  (vllm_runtime_pool; its attention builders' few buffers estimated), the second only CUDA graphs vLLM is asked to
+  copy, which the engine does not ask: empty. The plan is for a vLLM version (plan_memory's vllm_version; the
+  installed one by default), and counts them for 0.32 and later only.
 
 Videos cost what images cost per token: an LM token of a clip is merge^2 patches (each of temporal_patch frames),
 as an image's is, so the activation terms' worst case (every token of the budget a vision token) covers them, and the
@@ -44,11 +49,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 GIB = 2**30
 FIT_SHARE = 0.95  # a phase fits when it needs at most this share of the GPU; the rest is for fragmentation
-RUNTIME = 2 * GIB  # CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep (estimate)
+# CUDA context and kernels, NCCL buffers, vLLM's CUDA graphs and buffers while asleep, and the few MiB of its "runtime"
+# pool and its scratch that 0.32+ maps again with the weights, before the sync (estimate)
+RUNTIME = 2 * GIB
 HEAD_CHUNK = 512  # tokens per LM-head chunk (logprobs.chunked_logprobs)
 DEFAULT_GPUS, DEFAULT_GPU_GIB = 8, 80.0  # the plan's node when no GPU is here and the config names none
 LORA_LEVER_RANK = 8  # the adapter rank a plan that does not fit suggests
@@ -129,6 +137,11 @@ KNOWN_SHAPES = {
     "Qwen/Qwen3-VL-8B-Instruct": ModelShape(
         4096, 12288, 36, 32, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
     ),
+    # a distillation teacher for the 8B (configs/qwen3_vl_8b_distill_32b.yaml): its published config.json's numbers
+    # (33.4 B parameters), checked against transformers' model built on the meta device
+    "Qwen/Qwen3-VL-32B-Instruct": ModelShape(
+        5120, 25600, 64, 64, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
+    ),
     "Qwen/Qwen3.5-9B": ModelShape(
         4096, 12288, 32, 16, 4, 248320, tied=False, family="qwen3_5", head_dim=256, linear_layers=24,
         linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
@@ -196,9 +209,9 @@ def shape_from_config(config: dict) -> ModelShape:
     )
 
 
-def read_model_shape(model_path: str) -> ModelShape:
+def read_model_shape(model_path: str, key: str = "actor.model_path") -> ModelShape:
     """A local directory's config.json, else a known hub id's embedded numbers, else the hub's config.json (from the
-    cache, or downloaded: a few kB, never the weights)."""
+    cache, or downloaded: a few kB, never the weights). `key`: the config key that names it, for the errors."""
     if os.path.isdir(model_path):
         path = os.path.join(model_path, "config.json")
     elif model_path in KNOWN_SHAPES:
@@ -209,15 +222,13 @@ def read_model_shape(model_path: str) -> ModelShape:
         try:
             path = hf_hub_download(model_path, "config.json")
         except Exception as e:  # offline and not cached, no such repository, no network
-            raise PlanError(
-                f"actor.model_path={model_path!r}: cannot read its config.json to plan memory ({e})"
-            ) from None
+            raise PlanError(f"{key}={model_path!r}: cannot read its config.json to plan memory ({e})") from None
     try:
         with open(path) as f:
             return shape_from_config(json.load(f))
     except (OSError, KeyError, json.JSONDecodeError) as e:
         raise PlanError(
-            f"actor.model_path={model_path!r}: {path} is not a config.json of a supported family "
+            f"{key}={model_path!r}: {path} is not a config.json of a supported family "
             f"({', '.join(PARAM_COUNTS)}): {e!r}"
         ) from None
 
@@ -406,6 +417,47 @@ def vllm_sleep_copy(s: ModelShape, tp: int) -> float:
     return sum(pinned_copy(2 * n // tp) for n in big) + 2 * rest / tp
 
 
+# vLLM's sleep (device_allocator/sleep_mode_backend.py, CuMemBackend.suspend) backs up its "runtime" and "cudagraph"
+# pools to pinned host memory at every level from 0.32.0 on, beside the weights at level 1; 0.26.0 to 0.31.0 back up
+# only the weights, at level 1 (read in each release's wheel)
+SLEEP_POOLS_SINCE = (0, 32)
+VLLM_BLOCK = 16  # tokens of vLLM's KV-cache block on CUDA (its default; hybrid models' attention blocks are larger)
+VLLM_BATCHED_TOKENS = 16384  # vLLM's LLM-class max_num_batched_tokens on an H100/H200 or larger (8192 on smaller GPUs)
+
+
+def sleep_backs_up_pools(vllm_version: str) -> bool:
+    """Whether this vLLM's sleep copies its "runtime" and "cudagraph" pools to host memory: from 0.32.0 on."""
+    major, minor = re.match(r"(\d+)\.(\d+)", vllm_version).groups()
+    return (int(major), int(minor)) >= SLEEP_POOLS_SINCE
+
+
+def pool_segments(sizes: list[int]) -> list[int]:
+    """The segments torch's CUDA caching allocator takes from a fresh pool for tensors of these sizes, in bytes: one
+    CuMemAllocator allocation each (c10/cuda/CUDACachingAllocator.cpp): tensors of up to 1 MiB share 2 MiB segments,
+    of 1-10 MiB 20 MiB ones, a larger one has its own, rounded up to 2 MiB. Packed as if nothing were freed between."""
+    mib = 2**20
+    small = sum(-(-n // 512) * 512 for n in sizes if n <= mib)  # (blocks of 512 B)
+    medium = sum(-(-n // 512) * 512 for n in sizes if mib < n < 10 * mib)
+    large = [-(-n // (2 * mib)) * 2 * mib for n in sizes if n >= 10 * mib]
+    return [2 * mib] * -(-small // (2 * mib)) + [20 * mib] * -(-medium // (20 * mib)) + large
+
+
+def vllm_runtime_pool(s: ModelShape, x: Settings) -> list[int]:
+    """Bytes of each allocation of vLLM's "runtime" pool on one rank: what its V1 runner (the one the engine picks)
+    builds while the worker sets up the KV cache, which gpu_worker.initialize_from_config (0.32-0.33) wraps in that
+    pool (the cache itself is tagged "kv_cache", the activations' scratch "workspace": both discarded by a sleep, not
+    copied). Per KV-cache group the input batch's block table (int32, max_num_seqs x max_model_len / VLLM_BLOCK) and
+    slot mapping (int64, VLLM_BATCHED_TOKENS or max_model_len), and the attention builder's buffers (FlashAttention 3's
+    scheduler metadata, Qwen3.5's GDN state indices: a few int32 per sequence, counted as 64 KiB, an estimate); six
+    sampling-parameter vectors (4 B per sequence). A hybrid model's layers go in groups of as many as it has full-
+    attention layers, each counted as full attention (its linear groups' tables are one block a row): an upper
+    bound. A few MiB: everything fits in 2 MiB segments unless max_num_seqs x max_model_len is in the millions."""
+    groups = 1 + (-(-s.linear_layers // (s.layers - s.linear_layers)) if s.linear_layers else 0)
+    table = 4 * x.max_num_seqs * -(-x.seq_len // VLLM_BLOCK)
+    per_group = [table, 8 * max(VLLM_BATCHED_TOKENS, x.seq_len), 64 * 2**10]
+    return pool_segments(per_group * groups + [4 * x.max_num_seqs] * 6)
+
+
 def reload_peak(s: ModelShape, tp: int) -> float:
     """What vLLM's weight sync holds beside its weights. Its layer-wise reload (model_loader/reload/layerwise.py,
     0.26-0.33) keeps every tensor the sync sends a layer (full, bf16) until the layer has them all, then materialises
@@ -441,6 +493,8 @@ class Settings:
     seq_len: int  # max_prompt_length + max_response_length
     response_len: int
     hf_rows: int  # sequences one HF generate call decodes at once
+    max_num_seqs: int  # rollout.max_num_seqs: sequences one vLLM engine decodes together
+    vllm_version: str  # the vLLM release planned for (what its sleep copies to host memory depends on it)
     lora_rank: int = 0  # actor.lora_rank: > 0 trains adapters only, and the reference is the base itself
     lora_targets: tuple[str, ...] = ()  # actor.lora_target_modules
     master_bytes: int = 4  # actor.master_dtype: 4 (fp32) or 2 (bf16) bytes a trainable weight, gradient, moment
@@ -451,8 +505,11 @@ class Settings:
     video_pair_tokens: int = 0  # ... of one pair of its frames (one temporal token): a second of video at 2 fps
     tool_turns: int = 0  # rollout.max_turns - 1 with rollout.tools: tool turns an answer may hold, inside response_len
     max_images: int = 1  # rollout.max_images_per_prompt: images one vLLM request may carry, the tool turns' included
+    teacher: ModelShape | None = None  # distill.model_path's shape: a frozen bf16 shard, as the reference's
+    teacher_offload: bool = False  # distill.offload: its shards in host memory, on the GPU for its forwards only
     mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
     sp: int = 1  # actor.sequence_parallel_size: ranks that share each micro-batch's tokens (and its images' patches)
+    route_tokens: int = 0  # algorithm.routing_replay=r3: tokens whose routes a rank holds (its samples x seq_len)
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -481,6 +538,9 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     reference = x.reference and not x.lora_rank  # a second model to hold
     with_vllm = x.engine == "vllm"
     b = x.master_bytes  # 4, or 2 with bf16 masters (optim.AdamWBF16: weights, gradients and moments in bf16)
+    # A distillation teacher: a frozen bf16 shard of its own shape (it may be larger than the policy), used in the
+    # log-prob phase only; its units are gathered there as the reference's are
+    nt = count_params(x.teacher) if x.teacher else None
     states = {
         # master weights (the whole model in their dtype), or with LoRA the bf16 base and fp32 adapters
         "params": (2 * n["total"] + 4 * adapters if x.lora_rank else b * n["total"]) / x.world,
@@ -488,6 +548,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "adam": 2 * b * trains["total"] / x.world,  # exp_avg and exp_avg_sq
         "reference": 0 if x.ref_offload or not reference else 2 * n["total"] / x.world,  # bf16 shards
     }
+    if nt:
+        states["teacher"] = 0 if x.teacher_offload else 2 * nt["total"] / x.world
     # what actor.offload_params / offload_optimizer move to host memory while the engine generates (offload.py's
     # arenas, their exact size; pinned on CUDA); the moments stay there but for each optimizer step
     offloaded = {
@@ -495,6 +557,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "reference": states["reference"] if x.offload_params and with_vllm else 0,
         "adam": states["adam"] if x.offload_optimizer else 0,
     }
+    if nt:
+        offloaded["teacher"] = states["teacher"] if x.offload_params and with_vllm else 0
     # FSDP2 units all-gathered in bf16: the root's stay gathered from the root's forward to the end of its backward,
     # beside one block and the one prefetched next to it (the vision tower is followed by decoder layer 0)
     pair = n["layer"] + max(n["vision"], n["layer"])
@@ -527,15 +591,24 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
            whole + lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))  # fmt: skip
     bottom = (2 * trains["root"] + 6 * trains["vision"], whole + vis_saved + 2 * patches * vis_extra)
     unit_grads, activations = top if frozen_tower or sum(top) >= sum(bottom) else bottom
+
     # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
-    tn = math.ceil(x.nograd_tokens / x.sp)
-    nograd = (2 * 2 * x.nograd_tokens * s.hidden if x.sp > 1 else 0) + max(
-        2 * tn * (4 * s.hidden + 3 * s.active_intermediate),
-        2 * tn * s.merge**2 * (2 * s.vision_hidden + 3 * s.vision_intermediate),
-    )
-    nograd += head(tn, False)
+    # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; the teacher is not
+    # cut, it runs the group's whole rows)
+    def nograd_activations(m: ModelShape, tn: int) -> float:
+        layer = 2 * tn * (4 * m.hidden + 3 * m.active_intermediate)
+        tower = 2 * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
+        return max(layer, tower) + HEAD_CHUNK * m.vocab * 14 + 2 * tn * m.hidden  # + a chunk of its head, no grad
+
+    whole_nograd = 2 * 2 * x.nograd_tokens * s.hidden if x.sp > 1 else 0
+    nograd = whole_nograd + nograd_activations(s, math.ceil(x.nograd_tokens / x.sp))
+    # the teacher runs last: every root stays gathered, beside its own block pair (its own width, its own head)
+    teacher_gathered = 0
+    if nt:
+        nograd = max(nograd, nograd_activations(x.teacher, x.nograd_tokens))
+        teacher_gathered = 2 * nt["root"] + max(0, 2 * (nt["layer"] + max(nt["vision"], nt["layer"])) - 2 * pair)
     resident = {**states, "adam": 0} if x.offload_optimizer else states  # on the device outside optimizer steps
     awake = (x.vllm_bytes or x.vllm_util * x.gpu_bytes) if with_vllm else 0.0  # vLLM takes its share of the device
     never_sleeps = {"vllm awake": awake} if with_vllm and x.sleep_level == 0 else {}
@@ -551,7 +624,7 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
         "log-probs": {
             **resident,
             "grads": 0,
-            "gathered": gathered + adapted + (2 * n["root"] if reference else 0),
+            "gathered": gathered + adapted + (2 * n["root"] if reference else 0) + teacher_gathered,
             "activations": nograd,
             **never_sleeps,
             "runtime": RUNTIME,
@@ -586,25 +659,39 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
             "logits": x.hf_rows * s.vocab * 10,
             "runtime": RUNTIME,
         }
+    # What vLLM 0.32+ copies to pinned host memory at every sleep besides the weights, as CuMemAllocator allocations
+    # (sleep needs CUDA). The "cudagraph" pool holds the CUDA graphs only with sleep_mode_offload_cudagraph, which the
+    # engine leaves off (vLLM's default): they stay on the GPU in vLLM's own graph pool (RUNTIME), and it is empty.
+    sleeps = with_vllm and not x.vllm_bytes and x.sleep_level > 0
+    copied = sleeps and sleep_backs_up_pools(x.vllm_version)
+    pools = {"runtime": vllm_runtime_pool(s, x) if copied else [], "cudagraph": []}
     # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
     # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
     # (pinned, bf16, its TP slice, each block a power of two), which the engine made before the trainer's model
-    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers)
+    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers),
+    # and the pools vLLM 0.32+ copies at every level, the same way
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
-        "read buffer": 2 * s.vocab * s.hidden,
+        "read buffer": 2 * max(s.vocab * s.hidden, x.teacher.vocab * x.teacher.hidden if nt else 0),
         "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
+        "vllm sleep pools": sum(pinned_block(n) for n in pools["runtime"] + pools["cudagraph"]),
     }
+    if nt:  # the teacher's bf16 shard, read as the reference's is (in host memory for good with distill.offload)
+        host["teacher"] = 2 * nt["total"] / x.world
     # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
     vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
     return {
         "params": n,
+        "teacher_params": nt,
         "phases": phases,
         "host": host,
         "vllm_min": vllm_min if with_vllm else 0.0,
         "offloaded": offloaded,  # host bytes per rank while generating (pinned on CUDA)
+        "vllm pools": pools,  # the allocations of the pools vLLM's sleep copies besides the weights, bytes each
         "states": states,
+        # routing replay: each sample's experts per token and MoE layer, held from the rollout to the step's end
+        "routes": x.route_tokens * s.layers * s.experts_per_token * (1 if s.experts <= 128 else 2),  # int8 or int16
     }
 
 
@@ -657,6 +744,8 @@ def _levers(shape: ModelShape, x: Settings, keys: dict[str, str]) -> list[tuple[
         out.append(("adam", "set actor.master_dtype=bf16 (weights, gradients and AdamW moments in bf16: half of each)"))
     if x.reference and not x.ref_offload and fits(ref_offload=True):
         out.append(("reference", "set actor.ref_offload=true (the reference's shards in host memory)"))
+    if x.teacher and not x.teacher_offload and fits(teacher_offload=True):
+        out.append(("teacher", "set distill.offload=true (the teacher's shards in host memory)"))
     if not x.freeze_vision and not x.lora_rank and fits(freeze_vision=True):
         out.append(("adam", "set actor.freeze_vision_tower=true"))
     if not x.lora_rank and x.lora_targets and fits(lora_rank=LORA_LEVER_RANK):
@@ -691,6 +780,7 @@ class Plan:
     gpu_source: str  # where the GPU's size came from
     keys: dict[str, str]  # the config keys behind train_tokens and nograd_tokens
     host_limit: float | None  # bytes a Slurm job may use per node (--mem), when Slurm says
+    teacher: str = ""  # distill.model_path, when a teacher distils into the policy
 
     @property
     def numbers(self) -> dict:
@@ -731,15 +821,18 @@ def host_bytes_per_rank(ranks: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, ranks)
 
 
-def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
+def plan_memory(cfg, world: int, host_run: bool = False, vllm_version: str | None = None) -> Plan:
     """The plan for `cfg` (grpo.config.Config) with FSDP2 sharding over `world` ranks. Reads config.json (or the
     known sizes) and what CUDA reports; loads nothing else. `host_run`: a run on a machine without a GPU (the tests,
     the demo), whose ranks hold everything in host memory: the plan is then of each rank's share of this machine's
-    memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU."""
+    memory, and vLLM holds its weights and rollout.cpu_kv_cache_bytes instead of a share of a GPU. `vllm_version`:
+    the vLLM release to plan for; by default the installed one, else the GPU set's (startup.SUPPORTED_VERSIONS)."""
+    from grpo.startup import SUPPORTED_VERSIONS, library_versions
     from grpo.vllm_engine import sleep_level_for
 
     a, d, r, t = cfg.actor, cfg.data, cfg.rollout, cfg.trainer
     shape = read_model_shape(a.model_path)
+    teacher = read_model_shape(cfg.distill.model_path, "distill.model_path") if cfg.distill.model_path else None
     seq_len = d.max_prompt_length + d.max_response_length
     # micro_batches() in train_grpo.py: a token budget, else a sequence count of at most seq_len tokens each
     train = ("actor.micro_batch_size", a.micro_batch_size * seq_len)
@@ -750,6 +843,10 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         nograd = ("actor.max_tokens_per_micro_batch_no_grad", a.max_tokens_per_micro_batch_no_grad)
     elif a.max_tokens_per_micro_batch:
         nograd = train
+    if vllm_version is None:
+        vllm_version = library_versions()["vllm"]
+        if vllm_version == "not installed":
+            vllm_version = SUPPORTED_VERSIONS["GPU"]["vllm"]
     gpu_bytes, gpu_source = gpu_memory(t.gpu_memory_gib)
     per_node = gpus_per_node(t.n_gpus_per_node)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or min(world, per_node)  # torchrun sets it
@@ -777,6 +874,8 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         seq_len=seq_len,
         response_len=d.max_response_length,
         hf_rows=hf_rows(cfg, world),
+        max_num_seqs=r.max_num_seqs,
+        vllm_version=vllm_version,
         lora_rank=a.lora_rank,
         lora_targets=tuple(a.lora_target_modules),
         master_bytes={"fp32": 4, "bf16": 2}.get(a.master_dtype, 4),
@@ -785,8 +884,11 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
         vllm_bytes=vllm_bytes,
         tool_turns=r.max_turns - 1 if r.tools else 0,
         max_images=r.max_images_per_prompt,
+        teacher=teacher,
+        teacher_offload=cfg.distill.offload,
         mm_cache_gb=r.mm_cache_gb,
         sp=a.sequence_parallel_size,
+        route_tokens=d.rollout_batch_size // world * r.n * seq_len if cfg.algorithm.routing_replay == "r3" else 0,
         **dict(zip(("video_clip_tokens", "video_pair_tokens"),  # -1 (the data's most) is unknown before the data
                    video_clip_tokens(shape, d.max_frames, d.video_max_pixels) if r.max_videos_per_prompt > 0
                    else (0, 0))),
@@ -795,7 +897,7 @@ def plan_memory(cfg, world: int, host_run: bool = False) -> Plan:
     # a job over its --mem is killed by the cgroup without a traceback (docs/memory.md); Slurm says it in MB
     slurm_mem = os.environ.get("SLURM_MEM_PER_NODE", "")
     host_limit = int(slurm_mem) * 2**20 if slurm_mem.isdigit() else None
-    return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit)
+    return Plan(a.model_path, shape, settings, gpu_source, keys, host_limit, cfg.distill.model_path)
 
 
 def video_clip_tokens(s: ModelShape, max_frames: int, max_pixels: int) -> tuple[int, int]:
@@ -825,7 +927,7 @@ def format_plan(plan: Plan) -> str:
     """A few lines: the sharded states, each phase's further parts and total, the verdict, host memory at load."""
     x, numbers = plan.settings, plan.numbers
     phases, host, n = numbers["phases"], numbers["host"], numbers["params"]
-    states = ("params", "grads", "adam", "reference")
+    states = ("params", "grads", "adam", "reference", "teacher")
     size = f"{n['total'] / 1e9:.2f} B" if n["total"] >= 1e8 else f"{n['total'] / 1e6:.2f} M"
     if plan.shape.experts:  # a mixture of experts: all stored, the top-k computed
         size += f", {n['active'] / 1e9:.2f} B active" if n["active"] >= 1e8 else f", {n['active'] / 1e6:.2f} M active"
@@ -838,7 +940,7 @@ def format_plan(plan: Plan) -> str:
         f"memory plan, GiB per {device}: {plan.model} ({size} parameters), world {x.world}, "
         f"{x.gpus_per_node} x {_gib(x.gpu_bytes)} GiB per node ({plan.gpu_source})",
         "  sharded    "
-        + " | ".join(f"{k} {_gib(numbers['states'][k])}" for k in states)
+        + " | ".join(f"{k} {_gib(numbers['states'][k])}" for k in states if k != "teacher" or x.teacher)
         + "  (exact; the rest estimated)",
     ]
     tokens = {"update": x.train_tokens, "log-probs": x.nograd_tokens}
@@ -846,9 +948,18 @@ def format_plan(plan: Plan) -> str:
         extra = [f"{k} {_gib(v)}" + (f" ({tokens[name]} tokens)" if k == "activations" else "")
                  for k, v in parts.items() if k not in states]  # fmt: skip
         # sharded states that are in host memory during this phase (offload), not on the GPU
-        away = [k for k in ("params", "adam", "reference") if numbers["states"][k] and not parts.get(k)]
+        away = [k for k in ("params", "adam", "reference", "teacher") if numbers["states"].get(k) and not parts.get(k)]
         without = f"(without {', '.join(away)}) " if away else ""
         lines.append(f"  {name:<10} {without}+ " + " | ".join(extra) + f" = {_gib(sum(parts.values()))}")
+    if x.teacher:  # what distillation costs, beside the reference's when the KL to it is on too
+        nt = numbers["teacher_params"]
+        kind = "its shards in host memory, distill.offload" if x.teacher_offload else "its shard on the GPU"
+        ref = (f"; the reference {_gib(numbers['states']['reference'])} GiB beside it"
+               if x.reference and not x.lora_rank else "")  # fmt: skip
+        size_t = f"{nt['total'] / 1e9:.2f} B" if nt["total"] >= 1e8 else f"{nt['total'] / 1e6:.2f} M"
+        lines.insert(2, f"  teacher    {plan.teacher} ({size_t} parameters, {x.teacher.family}, bf16): "
+                        f"{_gib(2 * nt['total'] / x.world)} GiB a shard ({kind}){ref}; in the log-prob phase its "
+                        "root and blocks gathered and its activations, counted above")  # fmt: skip
     totals = {name: sum(parts.values()) for name, parts in phases.items()}
     worst = max(totals, key=totals.get)
     verdict = "fits" if _phase_over(plan.shape, x) is None else "DOES NOT FIT"
@@ -876,17 +987,35 @@ def format_plan(plan: Plan) -> str:
         moved = " + ".join(f"{k} {_gib(v)}" for k, v in offloaded.items())
         lines.append(f"offloaded to host memory while generating, GiB: {x.ranks_per_node} x ({moved}) = "
                      f"{_gib(x.ranks_per_node * sum(offloaded.values()))} per node, pinned")  # fmt: skip
-    per_rank = " + ".join(f"{k} {_gib(v)}" for k, v in host.items() if v)
+    # (vLLM's pools are a few MiB: shown to the MiB rather than as 0.0)
+    per_rank = " + ".join(f"{k} {_gib(v) if v >= 0.05 * GIB else f'{v / GIB:.3f}'}" for k, v in host.items() if v)
     limit = f" of the {_gib(plan.host_limit)} Slurm allows" if plan.host_limit else ""
     ranks = f"{x.ranks_per_node} rank{'s' if x.ranks_per_node > 1 else ''}"
     lines.append(
         f"host memory per node at load, GiB: {ranks} x ({per_rank}) = "
         f"{_gib(x.ranks_per_node * sum(host.values()))}{limit}, plus each process's own"
     )
+    if host["vllm sleep pools"]:
+        lines.append(f"  vllm sleep pools: vLLM {x.vllm_version} copies its \"runtime\" pool (block tables, sampling "
+                     f"parameters: {host['vllm sleep pools'] / 2**20:.0f} MiB a rank, pinned) to host memory at every "
+                     "sleep, level 2 too (0.26-0.31: none)")  # fmt: skip
+    if numbers["routes"]:
+        lines.append(f"  + from each rollout to its step's end: the routes replayed (algorithm.routing_replay=r3), "
+                     f"{_gib(numbers['routes'])} GiB per rank at most ({x.route_tokens} tokens)")  # fmt: skip
     if x.engine == "vllm" and x.mm_cache_gb:  # the one cache that fills as a run goes on (docs/memory.md)
         lines.append(f"  + during the run: vLLM's processed images and videos, up to {x.mm_cache_gb:g} GiB per rank "
                      "(rollout.mm_cache_gb)")  # fmt: skip
     return "\n".join(lines)
+
+
+def host_per_node(numbers: dict, x: Settings) -> float:
+    """The host bytes per node the plan compares with Slurm's --mem: at load, or from the first offload on (the
+    arenas, beside vLLM's sleep copies, which torch's pinned allocator keeps cached, and routing replay's routes),
+    whichever is more."""
+    host = numbers["host"]
+    running = sum(numbers["offloaded"].values()) + host["vllm sleep copy"] + host["vllm sleep pools"]
+    running += numbers["routes"]  # routing replay's routes, from each rollout to its step's end
+    return x.ranks_per_node * max(sum(host.values()), running)
 
 
 def plan_problem(plan: Plan) -> str | None:
@@ -899,9 +1028,7 @@ def plan_problem(plan: Plan) -> str | None:
             f"rollout.gpu_memory_utilization={x.vllm_util} gives vLLM {_gib(x.vllm_util * x.gpu_bytes)} GiB, less "
             f"than its weights and one sequence's KV cache ({_gib(numbers['vllm_min'])} GiB): raise it to >= {need}"
         )
-    # at load, or from the first offload on (the arenas, beside vLLM's sleep copy, which torch keeps cached)
-    running = sum(numbers["offloaded"].values()) + numbers["host"]["vllm sleep copy"]
-    host = x.ranks_per_node * max(sum(numbers["host"].values()), running)
+    host = host_per_node(numbers, x)
     if plan.host_limit and host > plan.host_limit:
         return (
             f"host memory, {_gib(host)} GiB per node (at load, or with the state offloaded), is over the "
@@ -931,6 +1058,7 @@ def plan_problem(plan: Plan) -> str | None:
         "activations": plan.keys["train_tokens" if phase == "update" else "nograd_tokens"],
         "vllm awake": "rollout.gpu_memory_utilization",
         "reference": "actor.ref_offload=true",
+        "teacher": "distill.offload=true",
         "adam": "more GPUs, actor.offload_optimizer=true, actor.master_dtype=bf16, actor.freeze_vision_tower=true or "
         "actor.lora_rank",
         "params": "actor.offload_params=true or actor.master_dtype=bf16",

@@ -156,20 +156,22 @@ class TrainerOffload:
         self.on_host = False  # a step's several generate calls (filtering rounds, validation batches) offload once
         self.moments_on_host = False
 
-    def hold(self, model, ref_model, optimizer, actor) -> None:
-        """What it moves from now on (once the models and the optimizer exist): the policy, the reference and the
-        optimizer's moments, as actor.offload_params / offload_optimizer choose."""
+    def hold(self, model, ref_model, optimizer, actor, teacher=None, teacher_offload=False) -> None:
+        """What it moves from now on (once the models and the optimizer exist): the policy, the reference, the
+        distillation teacher and the optimizer's moments, as actor.offload_params / offload_optimizer choose."""
         self.device = logprobs.compute_device(model)
         self.models = []
         if actor.offload_params:
             self.models.append(model)
             # the reference too, unless CPUOffloadPolicy keeps it in host memory already (actor.ref_offload); with
-            # LoRA it is the policy itself
+            # LoRA it is the policy itself. The teacher likewise (distill.offload)
             if ref_model is not None and ref_model is not model and not actor.ref_offload:
                 self.models.append(ref_model)
+            if teacher is not None and not teacher_offload:
+                self.models.append(teacher)
         self.optimizer = optimizer if actor.offload_optimizer else None
         pin = self.device.type == "cuda"
-        self.arenas = [HostArena(pin) for _ in self.models]  # one per model: the policy's and the reference's
+        self.arenas = [HostArena(pin) for _ in self.models]  # one per model: policy, reference, teacher
         self.moments = HostArena(pin)
         if self.optimizer is not None:
             optimizer.register_step_pre_hook(lambda *_: self._moments_to(_local_device))

@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
 from grpo import turns
 from grpo.config import ConfigError
+from grpo.distill import teacher_problem
 from grpo.grading import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
 from grpo.loading import unsupported_model
 from grpo.startup import resolve_path
@@ -54,9 +55,20 @@ def check_paths(cfg) -> None:
 
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
             raise ConfigError(f"actor.model_path={path!r}: no such local directory, and not in the hub cache (offline)")
-    unsupported = unsupported_model(path, needs_experts=cfg.actor.router_aux_loss_coef > 0)
+    needs_experts = {"actor.router_aux_loss_coef balances": cfg.actor.router_aux_loss_coef > 0,
+                     "algorithm.routing_replay=r3 replays": cfg.algorithm.routing_replay == "r3"}  # fmt: skip
+    unsupported = unsupported_model(path, needs_experts=next((k for k, on in needs_experts.items() if on), None))
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
+    teacher = cfg.distill.model_path
+    if teacher:  # a teacher that is not there, or cannot score the policy's tokens (a hub id: once it is readable)
+        if not os.path.exists(teacher) and not re.fullmatch(r"[\w][\w.-]*/[\w.-]+", teacher):
+            raise ConfigError(f"distill.model_path={teacher!r} does not exist (a hub model is written org/name)")
+        problem = unsupported_model(teacher)
+        if not problem and _readable(path) and _readable(teacher):
+            problem = teacher_problem(path, teacher)
+        if problem:
+            raise ConfigError(f"distill.model_path={teacher!r}: {problem}")
     for key in ("train_files", "val_files"):
         spec = getattr(cfg.data, key)
         try:
@@ -64,6 +76,15 @@ def check_paths(cfg) -> None:
                 local_files(spec)  # raises for a missing local path, or a directory without data files
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"data.{key}: {e}") from None
+
+
+def _readable(path) -> bool:
+    """A local directory, or a hub id whose files are in the cache (a dry run does not download them)."""
+    if os.path.isdir(path):
+        return True
+    from huggingface_hub import try_to_load_from_cache
+
+    return all(isinstance(try_to_load_from_cache(path, f), str) for f in ("config.json", "tokenizer_config.json"))
 
 
 def dataset_kwargs(cfg, processor, columns: bool | frozenset[str] = frozenset(), sample_rows: int = 0) -> dict:

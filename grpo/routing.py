@@ -5,8 +5,8 @@ compute those logits with other kernels, and where two experts' logits are close
 the token then goes through other weights, and its log-prob moves by far more than the rounding itself. That is
 the largest engine/trainer mismatch of an MoE model. This module measures it: the share of (token, layer) pairs
 whose top-k SET differs between the two, over the same sequences (prompt and sampled answer), split into text
-tokens, vision tokens (image and video pads) and the answer's tokens. Routing replay (the trainer routing each
-token as the engine did) would be the next step; this is the measure that tells whether it is needed.
+tokens, vision tokens (image and video pads) and the answer's tokens. Routing replay (replay.py) has the trainer
+route each token as the engine did; record_routes reads the engine's routes for it where generate recorded none.
 
 Both sides are read by forward hooks on each decoder layer's router, `layers.{i}.mlp.gate`, a module of that name
 in transformers 5 (Qwen3-VL-MoE's and Qwen3.5-MoE's TopKRouter returns (logits, scores, chosen experts)) and in
@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grpo import batching, logprobs, moe
+from grpo import batching, logprobs, moe, replay
 from grpo.samples import Prompt, SamplingParams, engine_prompt_ids
 
 
@@ -140,3 +140,45 @@ def agreement(engine, model, prompts, samples, pad_id: int) -> dict:
     engine_rows = engine_routing(engine, sequences, top_k)
     trainer_rows, types = trainer_routing(model, chosen, answers, pad_id)
     return disagreement(engine_rows, trainer_rows, types, [len(a) for a in answers])
+
+
+def record_routes(engine, model, prompts, samples) -> int:
+    """Routing replay (replay.py): give every sample without a record one (its answer was assembled over several
+    engine calls: tool turns, partial rollouts; or the engine captures none). vLLM prefills prompt + answer once
+    more: with its capture, all at once (one-token requests: every token of the sequence is forwarded); otherwise
+    one request a sequence with hooks on its routers (engine_routing). For the HF engine the trainer's model is the
+    engine: one forward of it. Collective where generation is: every rank calls it, with or without samples to
+    record. Returns how many it recorded."""
+    todo = [s for s in samples if s.routes is None]
+    top_k = model.config.get_text_config().num_experts_per_tok
+    dtype = replay.route_dtype(model.config.get_text_config().num_experts)
+    chosen = [prompts[s.prompt_index] for s in todo]
+    inner = getattr(engine, "engine", engine)  # under the tool loop: its engine, for plain one-token requests
+    if getattr(inner, "llm", None) is not None:
+        sequences = [with_answer(p, list(s.response_ids), inner.image_token_id) for p, s in zip(chosen, todo)]
+        if inner.capture_routes:  # vLLM's capture: all at once, each sequence's every token forwarded (prefilled)
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            done = inner.generate(sequences, 1, params, seed=0)
+            found = [d.routes[: len(q.input_ids)] for d, q in zip(done, sequences, strict=True)]
+        else:
+            found = engine_routing(inner, sequences, top_k)
+    else:  # the HF engine samples with the trainer's model: a forward of it (collective: every rank, one forward)
+        found = hf_routing(model, chosen, [list(s.response_ids) for s in todo])
+    for s, r in zip(todo, found, strict=True):
+        s.routes = r.to(dtype)
+    return len(todo)
+
+
+def hf_routing(model, prompts, answers) -> list[torch.Tensor]:
+    """The trainer's model's routes over prompt + answer, one no-grad forward for all (every rank joins it, with a
+    filler sequence of its own if it has none to record: FSDP2's forwards are collectives)."""
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    have = torch.tensor([len(prompts)])
+    if dist.is_initialized():
+        dist.all_reduce(have, op=dist.ReduceOp.MAX)
+    if not have.item():
+        return []
+    if not prompts:
+        raise RuntimeError("routing replay: a rank without samples to record while another has some")
+    rows, _ = trainer_routing(model, prompts, answers, pad_id)
+    return rows

@@ -54,6 +54,9 @@ class Sample:
     # rollout and continued now); their `logprobs` are the older policy's, so only the rest measures the engine
     carried: int = 0
     staleness: int = 0  # steps since its first token was sampled (partial.py); 0 for an answer of this step
+    # algorithm.routing_replay=r3: the experts the engine routed each token of prompt + response to, (P + R, MoE
+    # layers, top_k) int8/int16, replay.NO_ROUTE where none was recorded (replay.py); None otherwise
+    routes: torch.Tensor | None = None
 
     @property
     def model_len(self) -> int:

@@ -195,6 +195,9 @@ def generate_with_tools(engine, processor, pool, prompts, n, params, seed, max_t
             s.response_ids = s.response_ids + more.response_ids
             s.logprobs = s.logprobs + more.logprobs
             s.truncated = more.truncated
+            # routing replay: the continuation read the whole conversation (its tool turns prefilled): its record is
+            # the answer's whole record; None where the engine records none (routing.record_routes then does)
+            s.routes = more.routes
     for s in samples:
         s.text = model_text(tokenizer, s)
     return samples, stats

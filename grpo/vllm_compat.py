@@ -132,6 +132,22 @@ def model_runner_environment() -> None:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
+def captures_routes(on_cuda: bool) -> bool:
+    """Whether this vLLM returns each request's routed experts (LLM(enable_return_routed_experts=True),
+    CompletionOutput.routed_experts [tokens, layers, top_k]) under the model runner the trainer runs. 0.26 captures
+    them in the V1 runner (gpu_worker: init_routed_experts_capturer after the KV cache; its slot buffer is written
+    inside the model, CUDA graphs included); 0.32 and 0.33 only in Model Runner V2 (AuxOutputConfig; the config
+    check refuses it under V1, and asks for prefix caching), so there only where the user set
+    VLLM_USE_V2_MODEL_RUNNER=1 (model_runner_environment). Off CUDA never: the CPU builds run the V1 runner, and the
+    0.26 capturer's buffers are the GPU worker's."""
+    if not on_cuda or "enable_return_routed_experts" not in engine_args():
+        return False
+    import vllm.config
+
+    v2_only = hasattr(vllm.config, "AuxOutputConfig")  # 0.32, 0.33
+    return not v2_only or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+
+
 def budget_reads_modality_kwargs() -> bool:
     """Whether the installed vLLM's Qwen-VL token-budget estimate (the largest image or video it profiles memory for
     and sizes the encoder cache by) reads per-modality `images_kwargs`/`videos_kwargs` in mm_processor_kwargs: vLLM

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from grpo import families, lora, moe, vllm_compat
+from grpo import families, lora, moe, replay, vllm_compat
 from grpo.quiet import filtered_stderr, quiet_logs, unsent_weights
 from grpo.samples import Continuation, Prompt, Sample, SamplingParams, engine_prompt_ids, vision_token_ids
 from grpo.video import video_processor_size
@@ -39,6 +39,13 @@ def request_seed(member_seed: int, prompt: int, n: int) -> int:
     so every (step, rank, prompt, sample) has its own stream and a resumed run samples what an uninterrupted one
     would have sampled."""
     return (member_seed * 1_000_003 + prompt * n) % 2**63
+
+
+def family_config(model_path: str):
+    """The checkpoint's text config (its experts: num_experts, num_experts_per_tok)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).get_text_config()
 
 
 def sleep_level_for(requested: int, lora_rank: int) -> int:
@@ -137,6 +144,19 @@ class VLLMEngine:
             sizes = (d.max_pixels, d.video_max_pixels, d.max_frames, family.image_side)
             limits = vllm_compat.capped_profile(limits, *sizes)
         self.clip_metadata = self.max_videos and vllm_compat.clip_metadata_per_request(cfg.actor.model_path)
+        # routing replay: vLLM's own capture of each request's experts where it has one, else the routers' hooks
+        # during a re-prefill of each finished sequence (routing.record_routes), which only an eager engine runs
+        self.route_dtype = replay.route_dtype(family_config(cfg.actor.model_path).num_experts) if (
+            cfg.algorithm.routing_replay == "r3") else None  # fmt: skip
+        self.capture_routes = self.route_dtype is not None and vllm_compat.captures_routes(on_cuda)
+        if self.route_dtype is not None and not self.capture_routes and on_cuda and not r.enforce_eager:
+            raise ValueError(
+                "algorithm.routing_replay=r3: this vLLM returns no routed experts under the V1 model runner (0.32 and "
+                "0.33 capture them in Model Runner V2 only), so the engine's routes are read by hooks on its "
+                "routers, which CUDA graphs do not run: set rollout.enforce_eager=true, or VLLM_USE_V2_MODEL_RUNNER=1"
+            )
+        if self.capture_routes:
+            platform["enable_return_routed_experts"] = True
         # The engine start runs five full garbage collections (around the model load, and to freeze the heap for
         # serving at its end: EngineCore.__init__'s freeze_gc_heap, 0.26 to 0.33), each walking every object the
         # imports made: 1.3 s of a CPU start. Frozen now, the heap is left out of them; it ends up frozen all the
@@ -293,12 +313,16 @@ class VLLMEngine:
                 )
             for completion in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(completion.token_ids)
+                routes = None
+                if self.capture_routes:  # [prompt + answer - 1, layers, top_k]: the last token is never forwarded
+                    routes = replay.completion_routes(completion, len(prompt.input_ids) + len(ids), self.route_dtype)
                 samples.append(Sample(
                     prompt_index=index,
                     response_ids=ids,
                     logprobs=sampled_logprobs(completion),
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     truncated=completion.finish_reason == "length",
+                    routes=routes,
                 ))  # fmt: skip
         return samples
 

@@ -8,7 +8,7 @@ and full-attention layers mixed), and their mixture-of-experts versions qwen3_vl
 Qwen3.5's with its shared expert).
 
 Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
-       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe]
+       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe] [--tools] [--digit-logit X]
 """
 
 from __future__ import annotations
@@ -94,6 +94,13 @@ TOOL_CALL_FEATURE, TOOL_CALL_LOGIT = 100.0, 12.0
 # or more. Outside it the loop tokens' logits are LOOP_ENTRY lower (along the mean final state, as eos_logit raises
 # the end's), so only a few answers in a hundred fall into one.
 LOOP_TOKENS, LOOP_FEATURE, LOOP_EOS, LOOP_ENTRY = range(300, 308), 10.0, 8.0, 3.5
+
+# A model that writes digits (build_tiny_model's `digit_logit`), the distillation demo's teacher: every token's
+# embedding carries DIGIT_FEATURE in hidden dimension 2, which saturates the final norm there at every position as
+# TOOL_CALL_FEATURE does at one, and only the ten digits' LM-head rows read it: their logits raised by digit_logit
+# wherever the model writes, whatever the prompt. (Raising them along the mean final state, as eos_logit does, held
+# on short chat prompts but not on the demo's: the teacher then wrote 7 % digits there.)
+DIGIT_FEATURE = 100.0
 
 # Renders like Qwen2.5-VL's template: a default system turn when the first message is not a system
 # message, `<|im_start|>role\n...<|im_end|>\n` per message, list content concatenated part by part with
@@ -447,10 +454,10 @@ FAMILIES = {
 }  # fmt: skip
 
 
-def _final_feature(model, tokenizer) -> float:
-    """Hidden dimension 0 after the final norm at the end of a generation prompt (where TOOL_CALL_FEATURE is)."""
+def _final_feature(model, tokenizer, dim: int = 0) -> float:
+    """Hidden dimension `dim` after the final norm at the end of a generation prompt (where TOOL_CALL_FEATURE is)."""
     ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]])
-    return model.model.language_model(input_ids=ids).last_hidden_state[0, -1, 0].item()
+    return model.model.language_model(input_ids=ids).last_hidden_state[0, -1, dim].item()
 
 
 def build_tiny_model(
@@ -461,6 +468,7 @@ def build_tiny_model(
     tools: bool = False,
     eos_logit: float = 0.0,
     loop_logit: float = 0.0,
+    digit_logit: float = 0.0,
 ) -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
@@ -470,6 +478,8 @@ def build_tiny_model(
     final hidden states share a mean direction; their projection on it varies by +-40 % from position to position)
     rather than always at max_tokens. `loop_logit` > 0 adds a repetition loop (LOOP_TOKENS): with eos_logit, most
     answers end within a few dozen tokens and a few percent run on for hundreds, some to max_tokens, a heavy tail.
+    `digit_logit` > 0 raises the ten digits' logits by that much at every position (DIGIT_FEATURE): the model then
+    writes mostly digits, as the demo's toy reward teaches it to (the distillation demo's teacher, docs/distill.md).
     Returns out_dir.
     """
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
@@ -511,6 +521,12 @@ def build_tiny_model(
             model.lm_head.weight[eos] += eos_logit * mean / mean.square().sum()
             if loop_logit:
                 model.lm_head.weight[list(LOOP_TOKENS)] -= LOOP_ENTRY * mean / mean.square().sum()
+    if digit_logit:
+        with torch.no_grad():
+            model.model.language_model.embed_tokens.weight[:, 2] = DIGIT_FEATURE
+            feature = _final_feature(model, tokenizer, dim=2)
+            model.lm_head.weight[:, 2] = 0.0
+            model.lm_head.weight[tokenizer.convert_tokens_to_ids(list("0123456789")), 2] = digit_logit / feature
     model.generation_config = build_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
@@ -538,9 +554,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_5_vl")
     parser.add_argument("--tools", action="store_true", help="add the <tool_call> </tool_call> tokens")
+    parser.add_argument("--digit-logit", type=float, default=0.0, help="raise the digits' logits by about this much")
     args = parser.parse_args()
     start = time.perf_counter()
-    path = build_tiny_model(args.out_dir, seed=args.seed, family=args.family, tools=args.tools)
+    path = build_tiny_model(args.out_dir, seed=args.seed, family=args.family, tools=args.tools,
+                            digit_logit=args.digit_logit)  # fmt: skip
     print(f"tiny {args.family} written to {path} in {time.perf_counter() - start:.1f}s")
 
 

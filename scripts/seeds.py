@@ -177,7 +177,7 @@ def run_tests(pytest_args: str, seeds: list[int], env: dict, avx2: bool) -> None
         figures = [line.strip() for line in proc.stdout.splitlines() if "first 5" in line]
         lines.append(f"seed {seed}: {'passed' if proc.returncode == 0 else 'FAILED'} ({summary}, {wall:.0f} s)")
         lines += [f"    {f}" for f in figures]
-        print("\n".join(lines[-1 - len(figures):]), flush=True)
+        print("\n".join(lines[-1 - len(figures) :]), flush=True)
     print(f"\n{pytest_args}{' (AVX2)' if avx2 else ''}")
     print("\n".join(lines))
 

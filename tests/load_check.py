@@ -8,7 +8,9 @@ For each checkpoint (the tiny fp32 one; the same weights in bf16 split over seve
 tied embeddings): every parameter (gathered with full_tensor) and every buffer of the sharded model against
 from_pretrained's, loaded in fp32 (the policy) and in bf16 (the reference's compute dtype on GPU). Then the packed
 log-probs of the sharded policy against the old way (from_pretrained + apply_fsdp), load_policy_and_reference's
-dtypes, and save_hf of each sharded model (one file, and split into several) read back.
+dtypes, and save_hf of each sharded model (one file, and split into several) read back. A distillation teacher of the
+policy's own checkpoint: its log-probs, and so its per-token term, against the policy's, beside full fine-tuning (and
+through one update_policy step) and beside LoRA adapters.
 """
 
 import json
@@ -22,8 +24,10 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import batching, checkpoint, distributed, loading, logprobs, lora  # noqa: E402
-from grpo.config import ActorConfig
+from grpo import batching, checkpoint, distill, distributed, loading, logprobs, lora  # noqa: E402
+from grpo.config import ActorConfig, DistillConfig  # noqa: E402
+from grpo.optim import make_optimizer  # noqa: E402
+from grpo.stats import StepStats  # noqa: E402
 from tests.test_packing import _mixed_batch  # noqa: E402
 
 
@@ -66,7 +70,9 @@ def lora_facts(tiny, base, processor, out_dir):
     cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", *overrides])
     pad_id = processor.tokenizer.pad_token_id
     policy, ref = loading.load_policy_and_reference(cfg.actor, cpu, True, pad_id)
+    teacher = distill.load_teacher(DistillConfig(model_path=tiny), cfg.actor, cpu, pad_id)  # a whole model, no LoRA
     facts = {"lora/ref_is_policy": ref is policy}
+    facts["distill/lora_teacher_names"] = sorted({n for n, _ in teacher.named_parameters() if lora.is_lora_factor(n)})
     trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
     facts["lora/trainable_not_adapters"] = [n for n, _ in trainable if not lora.is_lora_factor(n)]
     facts["lora/trainable_params"] = sum(p.numel() for _, p in trainable)
@@ -74,14 +80,24 @@ def lora_facts(tiny, base, processor, out_dir):
     samples = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
     ids = (pad_id, policy.config.image_token_id)
     policy.eval()
-    base_logp, _ = train_grpo.compute_old_and_ref_logprobs(base, None, prompts, samples, cfg, ids, True)
-    old, _ = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, samples, cfg, ids, True)
+    base_logp, _, _ = train_grpo.compute_old_and_ref_logprobs(base, None, prompts, samples, cfg, ids, True)
+    old, _, taught = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, samples, cfg, ids, True, teacher)
+    facts["distill/lora_initial_term_max_abs"] = max(
+        distill.teacher_advantage(o, t, 1.0).abs().max().item() for o, t in zip(old, taught)
+    )
     facts["lora/initial_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))
     g = torch.Generator().manual_seed(5)  # B = 0 makes the adapters a no-op: give them a value, the same on all ranks
     for layer in lora.lora_layers(policy).values():
         b = layer.lora_B[lora.LORA_ADAPTER].weight
         lora.copy_own_rows(b, torch.randn(b.shape, generator=g) * 0.1)
-    old, ref = train_grpo.compute_old_and_ref_logprobs(policy, ref, prompts, samples, cfg, ids, True)
+    timings = {}
+    old, ref, taught = train_grpo.compute_old_and_ref_logprobs(
+        policy, ref, prompts, samples, cfg, ids, True, teacher, timings
+    )
+    facts["distill/lora_teacher_vs_base_max_abs_diff"] = max(
+        (t - b).abs().max().item() for t, b in zip(taught, base_logp)
+    )
+    facts["distill/time_teacher"] = timings.get("time/teacher", -1.0)
     facts["lora/ref_vs_base_max_abs_diff"] = max((r - b).abs().max().item() for r, b in zip(ref, base_logp))
     facts["lora/adapted_vs_base_max_abs_diff"] = max((o - b).abs().max().item() for o, b in zip(old, base_logp))
     facts["lora/trainable_after_ref"] = [n for n, p in policy.named_parameters() if p.requires_grad] == [
@@ -115,6 +131,40 @@ def lora_facts(tiny, base, processor, out_dir):
         facts["lora/peft_merge_names_equal"] = sorted(by_peft) == sorted(mine)
         facts["lora/peft_merge_max_abs_diff"] = max((by_peft[k] - mine[k]).abs().max().item() for k in mine)
         facts["lora/adapter_files"] = sorted(os.listdir(adapter))
+    return facts
+
+
+def distill_facts(tiny, processor):
+    """A teacher that is the policy's own checkpoint (full fine-tuning): its log-probs of the policy's tokens against
+    the policy's (the same forward, so the term is 0 for every token), and one update_policy step on a zero reward
+    with it, whose old log-probs are the update forward's own: the term, and so the gradient, must stay ~0 there too
+    (a teacher log-prob paired with another token, sample or rank gives neither)."""
+    cpu = torch.device("cpu")
+    prompts, responses = _mixed_batch(processor, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    samples = [rollout.Sample(i, r, [0.0] * len(r), "", False) for i, r in enumerate(responses)]
+    world = dist.get_world_size()
+    cfg = train_grpo.load_config(None, [f"actor.model_path={tiny}", f"distill.model_path={tiny}", "rollout.n=1",
+                                        "algorithm.kl_coef=0", "algorithm.mismatch_guard=0", "actor.micro_batch_size=2",
+                                        f"actor.global_batch_size={len(prompts) * world}",
+                                        f"data.rollout_batch_size={len(prompts) * world}"])  # fmt: skip
+    pad_id = processor.tokenizer.pad_token_id
+    policy, _ = loading.load_policy_and_reference(cfg.actor, cpu, False, pad_id)
+    teacher = distill.load_teacher(cfg.distill, cfg.actor, cpu, pad_id)
+    ids = (pad_id, policy.config.image_token_id)
+    policy.eval()
+    old, _, taught = train_grpo.compute_old_and_ref_logprobs(policy, None, prompts, samples, cfg, ids, True, teacher)
+    facts = {"distill/teacher_trainable": [n for n, p in teacher.named_parameters() if p.requires_grad]}
+    facts["distill/term_max_abs"] = max(
+        distill.teacher_advantage(o, t, 1.0).abs().max().item() for o, t in zip(old, taught)
+    )
+    facts["distill/lengths"] = [len(t) for t in taught] == [len(r) for r in responses]
+    optimizer, scheduler = make_optimizer(policy, cfg.actor)
+    stats = StepStats()
+    policy.train()
+    train_grpo.update_policy(policy, optimizer, scheduler, samples, prompts, torch.zeros(len(samples)), None, None,
+                             cfg, ids, stats, 1, taught)  # fmt: skip
+    for key in ("distill/reverse_kl", "distill/advantage", "actor/grad_norm"):
+        facts[key] = stats[key]
     return facts
 
 
@@ -162,6 +212,7 @@ def main():
                                  for part in ("visual", "language_model", "lm_head")}  # fmt: skip
     facts["ref_dtypes"] = sorted({str(p.dtype) for p in ref.parameters()})
     facts["ref_trainable"] = [n for n, p in ref.named_parameters() if p.requires_grad]
+    facts.update(distill_facts(tiny, processor))
     facts.update(lora_facts(tiny, new, processor, out_dir))
     if rank == 0:
         with open(os.path.join(out_dir, "facts.json"), "w") as f:

@@ -185,17 +185,19 @@ def test_resume_from_a_checkpoint_of_the_format_before(tiny_model_dir, uninterru
         assert {k: got[k] for k in DETERMINISTIC_KEYS} == {k: want[k] for k in DETERMINISTIC_KEYS}, got["step"]
 
 
-def test_partial_rollouts_with_dynamic_sampling_resume_exactly(tiny_model_dir, tmp_path):
+def test_partial_rollouts_with_dynamic_sampling_resume_exactly(tiny_family_dir, tmp_path):
     """Guards against a resume that loses what partial rollouts and dynamic sampling leave between steps: the answers
     in flight, and each rank's own data position (a round takes only the groups its rank still lacks, so the ranks
-    draw different numbers of prompts). 2 ranks with vLLM, a filter that drops some groups; steps 3-4 rerun from the
-    step-2 checkpoint must equal the uninterrupted run's."""
+    draw different numbers of prompts); and, on an MoE replaying the engine's routes (algorithm.routing_replay=r3),
+    against carried answers whose routes a resume would not reproduce (they are recorded when an answer completes,
+    by a re-prefill under that step's weights). 2 ranks with vLLM, a filter that drops some groups; steps 3-4 rerun
+    from the step-2 checkpoint must equal the uninterrupted run's."""
     from scripts.make_synthetic_data import make_geo3k_like
 
     data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
     out = tmp_path / "run"
-    args = run_args(tiny_model_dir, data, out, "trainer.max_steps=4", "trainer.save_freq=2", *PARTIAL, *FILTER,
-                    engine="vllm")  # fmt: skip
+    args = run_args(tiny_family_dir("qwen3_vl_moe"), data, out, "trainer.max_steps=4", "trainer.save_freq=2",
+                    *PARTIAL, *FILTER, "algorithm.routing_replay=r3", engine="vllm")  # fmt: skip
     torchrun(2, *args)
     rows = metrics(out)
     # a group filtered out before the checkpoint: the rank that lacked it took more in the next round, and from there
@@ -208,6 +210,8 @@ def test_partial_rollouts_with_dynamic_sampling_resume_exactly(tiny_model_dir, t
     stdout = torchrun(2, *args)
     assert f"resumed from {out / 'checkpoints' / 'step_2'}" in stdout
     keys = DETERMINISTIC_KEYS + PARTIAL_KEYS + ["rollout/prompts_drawn", "rollout/filtered_groups"]
+    keys += ["moe/routing_disagreement", "moe/replayed_tokens", "moe/own_routed_tokens"]
+    assert all(r["moe/replayed_tokens"] > 0 for r in rows) and any(r["rollout/partial_carried"] > 0 for r in rows)
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for got, want in zip(resumed[2:], rows[2:], strict=True):

@@ -139,6 +139,18 @@ def test_one_answer_a_prompt_with_a_group_estimator_is_refused(estimator):
     check_config(load_config(None, [f"algorithm.adv_estimator={estimator}", "rollout.n=2"]), world_size=8)
 
 
+def test_routing_replay_that_cannot_work(tiny_model_dir, capsys):
+    """Guards against a misspelt replay mode training without replay, and routing replay asked of a dense model,
+    which has no routers to replay (it would run and replay nothing): both stop before anything loads."""
+    from train_grpo import main
+
+    with pytest.raises(ConfigError, match=r"algorithm\.routing_replay='R3'; valid: none, r3"):
+        check_config(load_config(None, ["algorithm.routing_replay=R3"]), world_size=8)
+    args = ["configs/tiny.yaml", "algorithm.routing_replay=r3", "data.train_files=configs", "data.val_files="]
+    assert main([*args, f"actor.model_path={tiny_model_dir}"]) == 2
+    assert "routing_replay=r3 replays routed experts; a qwen2_5_vl model has none" in capsys.readouterr().err
+
+
 def test_router_balance_weight_that_cannot_work(tiny_model_dir, tiny_family_dir, capsys):
     """Guards against a load-balancing weight that would push experts toward imbalance (negative), or that a dense
     model would silently ignore, having no routers: both stop before anything loads, naming the key."""

@@ -343,9 +343,9 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     family's recipe runs (the tiny configs leave it off): the recompute of linear attention and of the experts."""
     from tests.test_vllm import first_and_last, toy_run
 
-    balance = ["actor.router_aux_loss_coef=1e-3"] if family.endswith("_moe") else []
+    moe_args = ["actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"] if family.endswith("_moe") else []
     rows = toy_run(
-        tiny_family_dir(family), tmp_path, "trainer.val_freq=0", "actor.gradient_checkpointing=true", *balance
+        tiny_family_dir(family), tmp_path, "trainer.val_freq=0", "actor.gradient_checkpointing=true", *moe_args
     )
     first, last = first_and_last(rows)
     print(f"{family}: toy reward first 5 steps {first:.3f}, last 5 {last:.3f}")
@@ -354,7 +354,12 @@ def test_two_ranks_with_vllm_learn_toy_reward(tiny_family_dir, tmp_path, family)
     assert all(math.isfinite(r["rollout/mismatch_kl/image"]) for r in rows)
     aux = [r.get("actor/router_aux_loss") for r in rows]
     print(f"{family}: actor/router_aux_loss {aux}")
-    assert all(0.5 < x <= 4.0 for x in aux) if balance else aux == [None] * len(rows), aux
+    assert all(0.5 < x <= 4.0 for x in aux) if moe_args else aux == [None] * len(rows), aux
+    if moe_args:  # routing replay: every token but each answer's last routed as the engine recorded
+        disagree = [r["moe/routing_disagreement"] for r in rows]
+        print(f"{family}: moe/routing_disagreement {min(disagree):.4f} to {max(disagree):.4f} (bf16 engine)")
+        assert all(r["moe/replayed_tokens"] > 0 for r in rows) and max(disagree) < 0.1, disagree
+        assert all(r["moe/own_routed_tokens"] == 0 for r in rows)  # the re-prefill forwards every token
 
 
 @pytest.mark.parametrize("family", FAMILIES)

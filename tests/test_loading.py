@@ -74,6 +74,14 @@ def test_sharded_load_and_export_equal_from_pretrained(tiny_model_dir, checkpoin
     assert facts["lora/export_vs_adapted_max_abs_diff"] <= 1e-5
     assert facts["lora/peft_merge_names_equal"] and facts["lora/peft_merge_max_abs_diff"] <= 1e-6
     assert facts["lora/adapter_files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    # a distillation teacher of the policy's own checkpoint: a whole, frozen model whose term is 0 for every token,
+    # in the log-prob phase and in the update's own forward (old log-probs left to it); beside LoRA, still the base
+    assert facts["distill/teacher_trainable"] == [] and facts["distill/lengths"]
+    assert facts["distill/term_max_abs"] == 0.0
+    assert abs(facts["distill/reverse_kl"]) <= 1e-6 and abs(facts["distill/advantage"]) <= 1e-6
+    assert facts["actor/grad_norm"] <= 1e-5  # zero reward, zero term: nothing to learn
+    assert facts["distill/lora_teacher_names"] == [] and facts["distill/lora_initial_term_max_abs"] == 0.0
+    assert facts["distill/lora_teacher_vs_base_max_abs_diff"] <= 1e-6 and facts["distill/time_teacher"] > 0
 
 
 def test_missing_or_misshapen_tensor_fails_naming_it(tiny_model_dir, tmp_path, one_rank_group):

@@ -3,6 +3,7 @@ hand arithmetic, the dry run, and plans that do not fit naming the key to change
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -252,8 +253,8 @@ def test_activation_formula_matches_what_the_layers_keep(tiny_model_dir):
 
 def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
     """The geo3k recipe's plan written out: 8 ranks, 16384 tokens per training micro-batch and 32768 per log-prob
-    one, vLLM at 0.6 of 80 GiB with TP 2 and sleep level 2 (full fine-tuning's default: no host copy of its weights),
-    the reference in bf16 on the GPU. Bytes."""
+    one, vLLM 0.33 at 0.6 of 80 GiB with TP 2 and sleep level 2 (full fine-tuning's default: no host copy of its
+    weights, only of its "runtime" pool), the reference in bf16 on the GPU. Bytes."""
     tokens, patches = 16384, 4 * 16384  # at most 4 patches (a 2 x 2 merge) per LM token
     # training activations at the top of the LM backward: each checkpointed layer's bf16 input, each vision block's,
     # then one decoder layer recomputed: 8 hidden-wide, 4 kv-wide and 4 MLP-wide tensors, its cos and sin
@@ -277,7 +278,10 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
         "log-probs": {**states, "grads": 0, "gathered": 2 * (2 * root + layer + max(layer, vision)),
                       "activations": nograd, "runtime": 2 * GIB},
         "rollout": {**states, "grads": 0, "vllm awake": 0.6 * 80 * GIB, "runtime": 2 * GIB},
-        "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden),  # policy, reference, read buffer
+        # policy, reference, read buffer, and vLLM's "runtime" pool: a block table of 256 sequences x 4096 / 16 blocks
+        # (int32), a slot mapping of 16384 tokens (int64), 64 KiB for the attention builder, six sampling vectors of
+        # 256 (4 B): 454 KiB, one 2 MiB segment, pinned as 2 MiB
+        "host per node": 8 * (P / 2 + P / 4 + 2 * vocab * hidden + 2**21),
     }  # fmt: skip
 
 
@@ -291,7 +295,7 @@ def _by_hand(P, root, layer, vision, hidden, kv, inter, layers, vocab):
 def test_geo3k_plans_term_by_term(config, hand):
     """Guards against any term of the shipped recipes' plans drifting from the arithmetic docs/memory.md states (a
     shard divided by the wrong world, the frozen-in-bf16 reference counted in fp32, vLLM's share of the wrong total)."""
-    numbers = plan_memory(load_config(config, NODE), 8).numbers
+    numbers = plan_memory(load_config(config, NODE), 8, vllm_version="0.33.0").numbers
     for phase in ("update", "log-probs", "rollout"):
         assert numbers["phases"][phase] == pytest.approx(hand[phase], rel=1e-12), phase
     assert 8 * sum(numbers["host"].values()) == pytest.approx(hand["host per node"], rel=1e-12)
@@ -337,6 +341,13 @@ def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, m
     assert plan.numbers["phases"]["optimizer step"]["adam"] == pytest.approx(4 * params / 8)
     plain = plan_memory(load_config(config, [*NODE, "actor.master_dtype=fp32", "actor.offload_optimizer=false"]), 8)
     assert "does not fit" in plan_problem(plain)
+    # routing replay's routes in host memory: a rank's 64 prompts x 5 answers of up to 2,048 + 2,048 tokens, every
+    # MoE layer's top-8, one byte an expert up to 128 experts (Qwen3-VL-30B-A3B: 48 layers), two beyond (Qwen3.5: 256)
+    assert plan.numbers["routes"] == 0
+    replayed = plan_memory(load_config(config, [*NODE, "algorithm.routing_replay=r3"]), 8)
+    layers, width = (48, 1) if "qwen3_vl" in config else (40, 2)
+    assert replayed.numbers["routes"] == 64 * 5 * 4096 * layers * 8 * width
+    assert "the routes replayed" in memory_plan.format_plan(replayed)
 
 
 def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
@@ -423,7 +434,7 @@ def test_dry_run_prints_the_plan_and_loads_nothing(tiny_model_dir, monkeypatch, 
     )
     assert "Qwen/Qwen2.5-VL-7B-Instruct (8.29 B parameters), world 8, 8 x 80.0 GiB" in out
     assert "params 3.9 | grads 3.9 | adam 7.7 | reference 1.9" in out and "-> fits" in out
-    assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0) = 54.5" in out
+    assert "8 ranks x (policy 3.9 + reference 1.9 + read buffer 1.0" in out and ") = 54.5" in out
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the defaults of a machine without a GPU
     assert main(["configs/geo3k_3b.yaml", f"actor.model_path={tiny_model_dir}", "--dry-run"]) == 1  # hub data
@@ -654,6 +665,131 @@ def test_level_1_sleep_copy_is_planned_as_the_pinned_allocator_takes_it():
     assert not 2 * P_7B / 2 == pytest.approx(pinned, rel=0.10)  # the weights' own size, as planned before: 8.3 GB
 
 
+class StandInAllocator:
+    """vLLM 0.33's CuMemAllocator (device_allocator/cumem.py) on its bookkeeping alone: allocations by tag; `sleep`
+    copies each of `offload_tags` into a pinned host tensor of the allocation's size, which torch's pinned allocator
+    rounds up to a power of two, and unmaps every one; `wake_up` maps again those `tags` names and, whatever it names,
+    every tag that is not deferrable (device_allocator/__init__.py DEFERRABLE_TAGS), dropping their host copies."""
+
+    DEFERRABLE_TAGS = ("weights", "kv_cache")
+
+    def __init__(self, allocations):  # {tag: [bytes of each allocation]}
+        self.data = [dict(tag=tag, size=n, backup=0, asleep=False) for tag, sizes in allocations.items() for n in sizes]
+
+    def sleep(self, offload_tags=None):
+        if offload_tags is None:
+            offload_tags = ("default",)
+        elif isinstance(offload_tags, str):
+            offload_tags = (offload_tags,)
+        for d in self.data:
+            if not d["asleep"]:
+                d["backup"] = _pinned_by_hand(d["size"]) if d["tag"] in offload_tags else 0
+                d["asleep"] = True
+
+    def wake_up(self, tags=None):
+        for d in self.data:
+            if d["asleep"] and (tags is None or d["tag"] in tags or d["tag"] not in self.DEFERRABLE_TAGS):
+                d["asleep"], d["backup"] = False, 0
+
+    def host_bytes(self, tags):
+        return sum(d["backup"] for d in self.data if d["tag"] in tags)
+
+
+class StandInBackend:
+    """vLLM 0.33's CuMemBackend (device_allocator/sleep_mode_backend.py), its suspend and resume as written there."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+
+    def suspend(self, level: int = 1) -> None:
+        # Runtime state and graph pools are kept at every level; weights only at level 1.
+        offload_tags: tuple[str, ...] = ("runtime", "cudagraph")
+        if level == 1:
+            offload_tags = ("weights", *offload_tags)
+        self.allocator.sleep(offload_tags=offload_tags)
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self.allocator.wake_up(tags)
+
+
+def test_the_stand_in_backs_up_what_the_installed_vllm_backs_up(monkeypatch):
+    """Guards against a stand-in that misreads vLLM's rule: the installed vLLM's own CuMemBackend.suspend asks its
+    allocator for the stand-in's tags at levels 1 and 2 where it is 0.32 or later (0.26 to 0.31: the weights at
+    level 1, nothing at level 2), and its wake restores the stand-in's non-deferrable tags with the weights."""
+    import vllm.device_allocator as allocators
+    from vllm.device_allocator.sleep_mode_backend import CuMemBackend
+
+    from grpo.startup import library_versions
+
+    class Recorder:
+        def __init__(self):
+            self.asked = []
+
+        def sleep(self, offload_tags=None):
+            self.asked.append(offload_tags)
+
+    real, stand_in = Recorder(), Recorder()
+    monkeypatch.setattr(allocators, "get_mem_allocator_instance", lambda: real)
+    for level in (1, 2):
+        CuMemBackend().suspend(level)
+        StandInBackend(stand_in).suspend(level)
+    assert stand_in.asked == [("weights", "runtime", "cudagraph"), ("runtime", "cudagraph")]
+    if memory_plan.sleep_backs_up_pools(library_versions()["vllm"]):
+        assert real.asked == stand_in.asked
+        assert allocators.DEFERRABLE_TAGS == StandInAllocator.DEFERRABLE_TAGS
+    else:
+        assert real.asked == [("weights",), ()]
+
+
+@pytest.mark.parametrize("config", ["configs/geo3k.yaml", "configs/qwen3_5_9b_geo3k.yaml"])
+def test_vllm_033_sleep_copy_is_the_plans_host_bytes_at_levels_1_and_2(config):
+    """Guards against a plan that leaves out what vLLM 0.32+'s sleep copies besides the weights: its "runtime" and
+    "cudagraph" pools, to pinned host memory at every level. The stand-in of 0.33's backend, fed the allocations the
+    plan assumes for the shape (its weights' TP slices in bf16 as segments of torch's allocator, its pools, and a KV
+    cache and a workspace, which are never copied), backs up exactly the plan's pool bytes at levels 1 and 2 (the plan
+    of today's main: none), and at level 1 the plan's copy of the weights besides; waking the weights maps the pools
+    again and drops their host copies (which torch's pinned allocator keeps cached: the plan counts them for good)."""
+    for level in (1, 2):
+        plan = plan_memory(load_config(config, [*NODE, f"rollout.sleep_level={level}"]), 8, vllm_version="0.33.0")
+        s, x, host = plan.shape, plan.settings, plan.numbers["host"]
+        *big, rest = memory_plan.vllm_tensors(s)
+        weights = memory_plan.pool_segments([2 * n // x.tp for n in big]) + [2**21] * -(-2 * rest // x.tp // 2**21)
+        pools = plan.numbers["vllm pools"]
+        assert pools["runtime"] and pools["cudagraph"] == []  # the engine leaves sleep_mode_offload_cudagraph off
+        allocator = StandInAllocator({"weights": weights, "kv_cache": [20 * GIB], "workspace": [2**26], **pools})
+        StandInBackend(allocator).suspend(level)
+        assert allocator.host_bytes(["kv_cache", "workspace"]) == 0
+        assert allocator.host_bytes(["runtime", "cudagraph"]) == host["vllm sleep pools"] > 0
+        if level == 1:
+            assert allocator.host_bytes(["weights"]) == pytest.approx(host["vllm sleep copy"], rel=0.01)
+        else:
+            assert allocator.host_bytes(["weights"]) == host["vllm sleep copy"] == 0
+        StandInBackend(allocator).resume(["weights"])
+        assert allocator.host_bytes(["weights", "runtime", "cudagraph"]) == 0
+        assert not any(d["asleep"] for d in allocator.data if d["tag"] in ("weights", "runtime", "workspace"))
+
+
+def test_host_total_counts_the_pools_for_vllm_033_and_not_026(monkeypatch):
+    """Guards against a plan for vLLM 0.32+ whose per-node host total, the one compared with Slurm's --mem, leaves out
+    the pools its sleep copies, or a plan for 0.26-0.31 that counts them: 7B, 8 ranks, level 2, against a --mem just
+    above 0.26's total; and the printed plan names the term for 0.33 only."""
+    plans = {v: plan_memory(load_config("configs/geo3k.yaml", NODE), 8, vllm_version=v) for v in ("0.26.0", "0.33.0")}
+    totals = {v: memory_plan.host_per_node(p.numbers, p.settings) for v, p in plans.items()}
+    pools = plans["0.33.0"].numbers["host"]["vllm sleep pools"]
+    assert totals["0.33.0"] - totals["0.26.0"] == 8 * pools == 8 * 2**21
+    assert plans["0.26.0"].numbers["host"]["vllm sleep pools"] == 0
+    assert [memory_plan.sleep_backs_up_pools(v) for v in ("0.26.0", "0.31.0", "0.32.0", "0.33.0+cu130")] == [
+        False, False, True, True
+    ]  # fmt: skip
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", str(math.ceil(totals["0.26.0"] / 2**20)))  # MB
+    problems = {v: plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE), 8, vllm_version=v))
+                for v in plans}  # fmt: skip
+    assert problems["0.26.0"] is None and "this Slurm job may use (--mem)" in problems["0.33.0"]
+    texts = {v: memory_plan.format_plan(p) for v, p in plans.items()}
+    assert "read buffer 1.0 + vllm sleep pools 0.002) = 54.5" in texts["0.33.0"]
+    assert 'vLLM 0.33.0 copies its "runtime" pool' in texts["0.33.0"] and "sleep pools" not in texts["0.26.0"]
+
+
 @pytest.mark.parametrize(
     "config, model, per_layer_gb",
     [
@@ -673,3 +809,36 @@ def test_weight_sync_counts_a_moe_layers_experts_twice(config, model, per_layer_
     assert experts / 1e9 == pytest.approx(per_layer_gb, abs=0.005)
     sync = plan_memory(load_config(config, NODE), 8).numbers["phases"]["weight sync"]
     assert sync["layer reload"] == pytest.approx(experts * (1 + 1 / 2), rel=1e-12)  # TP 2
+
+
+P_32B = 33_357_390_064  # Qwen3-VL-32B-Instruct: its known shape, which transformers builds with as many (above)
+
+
+def test_distill_recipe_fits_one_node_and_counts_its_teacher(monkeypatch, capsys):
+    """Guards against a teacher the plan leaves out (a 32B's bf16 shard is 7.8 GiB a GPU of 8, more than the 8B's
+    reference) or counts at the policy's shape: the recipe's dry run names the teacher and fits; the shard leaves the
+    GPU with distill.offload and joins every phase without it; the log-prob phase holds the 32B's gathered root and
+    blocks beside the policy's; the lever that fits an over-full plan is named."""
+    _no_loading(monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    config = "configs/qwen3_vl_8b_distill_32b.yaml"
+    assert main([config, "--dry-run", *NODE]) == 1  # the plan fits; the model's files need the hub
+    out = capsys.readouterr().out
+    assert "teacher    Qwen/Qwen3-VL-32B-Instruct (33.36 B parameters, qwen3_vl, bf16): 7.8 GiB a shard" in out
+    assert "the reference 2.0 GiB beside it" in out and "-> fits" in out and "ok    memory plan: fits" in out
+    plan = plan_memory(load_config(config, NODE), 8)
+    assert plan.teacher == "Qwen/Qwen3-VL-32B-Instruct" and plan.numbers["teacher_params"]["total"] == P_32B
+    assert plan.numbers["states"]["teacher"] == 0 and plan.numbers["host"]["teacher"] == pytest.approx(2 * P_32B / 8)
+    on_gpu = plan_memory(load_config(config, [*NODE, "distill.offload=false"]), 8).numbers
+    alone = plan_memory(load_config(config, [*NODE, "distill.model_path="]), 8).numbers
+    for phase in ("update", "log-probs", "rollout"):
+        assert on_gpu["phases"][phase]["teacher"] == pytest.approx(2 * P_32B / 8)
+        assert "teacher" not in alone["phases"][phase] or alone["phases"][phase]["teacher"] == 0
+    pair = lambda n: n["layer"] + max(n["vision"], n["layer"])  # noqa: E731 (a block and the one prefetched)
+    teacher, student = count_params(KNOWN_SHAPES["Qwen/Qwen3-VL-32B-Instruct"]), alone["params"]
+    extra = on_gpu["phases"]["log-probs"]["gathered"] - alone["phases"]["log-probs"]["gathered"]
+    assert extra == pytest.approx(2 * teacher["root"] + 2 * (pair(teacher) - pair(student)))  # its root, wider blocks
+    assert on_gpu["phases"]["update"]["gathered"] == alone["phases"]["update"]["gathered"]  # it has no backward
+    over = plan_problem(plan_memory(load_config(config, [*NODE, "distill.offload=false",
+                                                         "rollout.gpu_memory_utilization=0.7"]), 8))  # fmt: skip
+    assert "does not fit" in over and "set distill.offload=true" in over

@@ -219,7 +219,8 @@ def test_every_turn_but_the_last_stops_at_a_call(tiny_tools_model_dir):
     """Guards against the turn loop past two turns: with max_turns=3 the second turn must stop at a call again (the
     sampling parameters that do, not anything else of that name) and the third must not; an answer that calls
     twice holds two tool turns, each at the position where its call ended, and only the model's tokens carry
-    log-probs."""
+    log-probs. With routing replay an answer's record is its last call's, which read the whole conversation (the
+    tool turns prefilled), not the first call's, which stops at the first call."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(tiny_tools_model_dir)
@@ -234,12 +235,16 @@ def test_every_turn_but_the_last_stops_at_a_call(tiny_tools_model_dir):
         def generate(self, prompts, n, params, seed):
             self.stops.append(params.stop_token_ids)
             ids = list(call) if stop in params.stop_token_ids else [5, 6]
-            return [rollout.Sample(i // n, list(ids), [-1.0] * len(ids), "", False) for i in range(len(prompts) * n)]
+            routes = [torch.full((len(prompts[i // n].input_ids) + len(ids), 1, 2), len(self.stops), dtype=torch.int8)
+                      for i in range(len(prompts) * n)]  # fmt: skip
+            return [rollout.Sample(i // n, list(ids), [-1.0] * len(ids), "", False, routes=routes[i])
+                    for i in range(len(prompts) * n)]  # fmt: skip
 
     engine = CallingEngine()
     params = rollout.SamplingParams(1.0, 1.0, 400)
+    prompts = image_prompts(processor, 1)
     with tools.ToolPool(["tools.py:calculate"], timeout=2.0) as pool:
-        samples, stats = turns.generate_with_tools(engine, processor, pool, image_prompts(processor, 1), 2, params, 1,
+        samples, stats = turns.generate_with_tools(engine, processor, pool, prompts, 2, params, 1,
                                                    max_turns=3, budget=400, bounds=(56 * 56, 112 * 112))  # fmt: skip
     assert [stop in stops for stops in engine.stops] == [True, True, False]
     assert stats["tool/calls"] == 4
@@ -250,6 +255,7 @@ def test_every_turn_but_the_last_stops_at_a_call(tiny_tools_model_dir):
         model = [i for i in range(len(s.response_ids)) if not any(t.start <= i < t.start + len(t.input_ids)
                                                                    for t in s.turns)]  # fmt: skip
         assert all(s.logprobs[i] == -1.0 for i in model) and sum(s.logprobs) == -len(model)
+        assert s.routes.shape[0] == len(prompts[0].input_ids) + len(s.response_ids) and (s.routes == 3).all()
 
 
 def test_a_tool_turn_survives_a_checkpoint(tiny_tools_model_dir):
