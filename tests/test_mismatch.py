@@ -404,8 +404,12 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
         # bypass measures the current policy against the engine: the injected noise plus the drift of the step's
         # first optimizer step (lr 3e-3: 0.008 to 0.027 seen), and rejects more (0.27 to 0.53 seen)
         high = 0.05 if name == "bypass" else 8e-3
+        # (a modality is measured in the steps that drew it: a quarter of the rows are text-only, and a step's 16
+        # prompts hold none of them about once in 160 steps, as at trainer.seed=5)
         for m in ("text", "image"):
-            assert 2e-3 < r[f"rollout/mismatch_kl/{m}"] < high, r
+            assert f"rollout/mismatch_kl/{m}" not in r or 2e-3 < r[f"rollout/mismatch_kl/{m}"] < high, r
+    for m in ("text", "image"):
+        assert sum(f"rollout/mismatch_kl/{m}" in r for r in rows) >= len(rows) - 2, m
         # (a sequence counts as rejected when any of its tokens is: token-level rejection touches most of them)
         assert 0 < r["rollout/rs_rejected_token_frac"] < 0.7 and 0 < r["rollout/rs_rejected_seq_frac"] <= 1, r
         if name != "bypass":
