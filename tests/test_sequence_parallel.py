@@ -2,6 +2,10 @@
 row's positions and layout, the head's rows, the items' owners, and, on 2 gloo ranks, the all-to-all, the gathers
 and Ulysses attention with their gradients. The whole step's parity is in test_train.py."""
 
+import os
+import sys
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +13,7 @@ import torch.multiprocessing as mp
 
 from grpo import sequence_parallel as sp_mod
 from grpo.attention import PackedLayout, sdpa_packed
+from grpo.distributed import exit_rank
 from tests.launch import free_port
 
 
@@ -62,8 +67,18 @@ def _ranks(rank, port, fn):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         fn(rank)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # said here and ended at once: tearing the group down while the other rank waits in a collective aborts the
+        # process (SIGABRT, "terminate called"), which hides which check failed
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()  # neither rank leaves while the other still exchanges
+    dist.destroy_process_group()
+    # out as the trainer's ranks leave, without the interpreter's teardown, in which a gloo worker still dropping the
+    # last collective's tensors aborts the process (SIGABRT, "terminate called without an active exception": one
+    # launch in about twelve here, after both ranks had destroyed the group)
+    exit_rank(0)
 
 
 def _run(fn):
