@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from grpo.distributed import exit_rank
 from grpo.stats import StepStats
 
 
@@ -30,7 +31,9 @@ def _two_ranks(rank, port, out):
         stats.share("actor/only_rank_1", 3.0)
     stats["mismatch/tokens"] += 7  # a raw running sum: starts at 0, is no metric
     out[rank] = stats.metrics(stats["actor/optimizer_steps"])
+    dist.barrier()
     dist.destroy_process_group()
+    exit_rank(0)  # as the trainer's ranks leave: gloo's workers can abort an interpreter's teardown (exit_rank says)
 
 
 def test_statistics_reduce_as_recorded_over_two_ranks():
