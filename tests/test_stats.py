@@ -1,7 +1,6 @@
 """The step's statistics: each recorded in one line where it is computed, reduced over ranks as that line says."""
 
 import os
-import socket
 
 import pytest
 import torch.distributed as dist
@@ -9,12 +8,7 @@ import torch.multiprocessing as mp
 
 from grpo.distributed import exit_rank
 from grpo.stats import StepStats
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.launch import free_port
 
 
 def _two_ranks(rank, port, out):
@@ -40,7 +34,7 @@ def test_statistics_reduce_as_recorded_over_two_ranks():
     """Guards against a statistic that must be declared apart from where it is computed (forgotten: a KeyError, or
     a metric silently missing from metrics.jsonl), and against shares averaged instead of summed over ranks."""
     out = mp.Manager().dict()
-    mp.spawn(_two_ranks, args=(_free_port(), out), nprocs=2)
+    mp.spawn(_two_ranks, args=(free_port(), out), nprocs=2)
     for rank in (0, 1):
         m = out[rank]
         # shares: summed over micro-batches and ranks, averaged over the 2 optimizer steps
