@@ -74,7 +74,8 @@ demo-tools: tiny-assets
 		m('outputs/tiny_tools_data/train.parquet', 128, 0); m('outputs/tiny_tools_data/val.parquet', 32, 1)"
 	OMP_NUM_THREADS=1 $(TORCHRUN) --standalone --nproc_per_node=$(NPROC) train_grpo.py configs/tiny_tools.yaml
 
-# a task whose answer is only in a video's frames (how many of 4 are red): accuracy must rise well above the blind 1/4
+# a task whose answer is only in a video's frames (in how many of 4 seconds it is red): accuracy must rise well above
+# the blind 1/4
 demo-video: tiny-assets
 	$(PY) -c "from scripts.make_synthetic_data import make_video_count_task as m; \
 		m('outputs/tiny_video_data/train.parquet', 128, 0); m('outputs/tiny_video_data/val.parquet', 32, 1)"

@@ -11,7 +11,7 @@ from tests.test_checkpoint import PARTIAL
 from tests.test_mixed_data import PADDED
 from tests.test_vision_demo import assert_demo_learns
 
-FRAMES = 4  # scripts/make_synthetic_data.py FRAMES: a model blind to the frames is right 1 time in 4 at best
+SECONDS = 4  # scripts/make_synthetic_data.py SECONDS: a model blind to the frames is right 1 time in 4 at best
 
 
 def _rows(out_dir):
@@ -21,17 +21,18 @@ def _rows(out_dir):
 def test_video_demo_learns_what_only_the_frames_say(tiny_model_dir, tmp_path):
     """Guards against a pipeline that hands a prompt the wrong video, or none, or its frames out of place (packing,
     shared prefixes, rank balancing, the vLLM request and its frame timing, the sync of the tower): every prompt's
-    text is the same and the answer is how many of the clip's frames are red, so reward above 1/4 needs the right
-    frames. One run of the demo's config (2 ranks, vLLM, shared prefixes, token-budget micro-batches, rank
+    text is the same and the answer is in how many of the clip's seconds it is red, so reward above 1/4 needs the
+    right frames. One run of the demo's config (2 ranks, vLLM, shared prefixes, token-budget micro-batches, rank
     balancing): last-5-step training accuracy and greedy validation accuracy clearly above the blind ceiling."""
     from scripts.make_synthetic_data import make_video_count_task
 
-    assert_demo_learns("configs/tiny_video.yaml", make_video_count_task, 60, 1 / FRAMES, tiny_model_dir, tmp_path)
+    assert_demo_learns("configs/tiny_video.yaml", make_video_count_task, 80, 1 / SECONDS, tiny_model_dir, tmp_path)
 
 
 def test_video_count_task_hides_the_answer_from_the_text(tmp_path):
     """Guards against a demo a blind model could solve: every row's text is the same, the answers balanced, and
-    each clip has exactly `answer` red frames of FRAMES, in no fixed place."""
+    each clip red in exactly `answer` of its SECONDS seconds, in no fixed place; a second is two equal frames, the
+    pair the tower merges into one temporal token (configs/tiny_video.yaml's 2 frames a second)."""
     import io
 
     from PIL import Image
@@ -40,12 +41,13 @@ def test_video_count_task_hides_the_answer_from_the_text(tmp_path):
 
     rows = pq.read_table(make_video_count_task(str(tmp_path / "t.parquet"), n_rows=40, seed=0)).to_pylist()
     assert len({r["problem"] for r in rows}) == 1 and rows[0]["problem"].startswith("<video>")
-    assert all(sum(r["answer"] == str(a) for r in rows) == 10 for a in range(1, FRAMES + 1))
+    assert all(sum(r["answer"] == str(a) for r in rows) == 10 for a in range(1, SECONDS + 1))
     places = set()
     for r in rows:
         (clip,) = r["videos"]
-        red = [Image.open(io.BytesIO(f["bytes"])).getpixel((0, 0))[1] < 100 for f in clip]
-        assert len(clip) == FRAMES and sum(red) == int(r["answer"])
+        assert len(clip) == 2 * SECONDS and all(clip[i] == clip[i + 1] for i in range(0, len(clip), 2))
+        red = [Image.open(io.BytesIO(f["bytes"])).getpixel((0, 0))[1] < 100 for f in clip[::2]]
+        assert sum(red) == int(r["answer"])
         places.add(tuple(red))
     assert len(places) > 8
 
