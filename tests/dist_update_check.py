@@ -59,7 +59,7 @@ def video_prompts(processor, tmp_dir):
 
     path = make_video_count_task(os.path.join(tmp_dir, f"videos{dist.get_rank()}.parquet"), n_rows=PROMPTS)
     ds = PromptDataset(path, processor, format_prompt="", min_pixels=3136, max_pixels=3136, max_frames=8,
-                       video_min_pixels=3136, video_max_pixels=3136, max_prompt_length=128)  # fmt: skip
+                       video_min_pixels=3136, video_max_pixels=3136, max_prompt_length=192)  # fmt: skip
     return [encode_prompt(processor, ds[i]) for i in range(PROMPTS)]
 
 

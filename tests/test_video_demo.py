@@ -82,12 +82,15 @@ def test_mixed_image_video_and_text_rows_train_on_two_ranks(tiny_family_dir, tmp
     train = make_mixed_media(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
     val = make_mixed_media(str(tmp_path / "val.parquet"), n_rows=8, seed=1)
     out_dir = tmp_path / "run"
-    torchrun(
+    stdout = torchrun(
         2, "train_grpo.py", "configs/tiny_video.yaml", f"actor.model_path={tiny_family_dir(family)}",
         f"data.train_files={train}", f"data.val_files={val}", f"trainer.output_dir={out_dir}",
         "trainer.max_steps=2", "trainer.val_freq=2", "rollout.n=4", *overrides,
         timeout=300,
     )  # fmt: skip
+    # every row kept: a prompt over data.max_prompt_length is dropped with a warning, and a run without its videos
+    # (Qwen3-VL's timestamps make its prompts the longest) would pass the rest
+    assert "train: 32 prompts (0 bad rows skipped, 0 longer than" in stdout, stdout[-3000:]
     rows = _rows(out_dir)
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2]
     assert "val/accuracy" in rows[-1]
