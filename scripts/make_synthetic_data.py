@@ -187,8 +187,8 @@ reveal.schema = {"name": "reveal", "description": "Shows the picture behind the 
 # white, in a random order; the answer is in how many seconds it is red. Every row's text is the same: a model that
 # ignores the frames is right 1 time in SECONDS at best. Qwen's towers merge frames in pairs, so each of the clip's
 # temporal tokens shows one second, one colour, and the count is how many of them are red. (With one frame per
-# colour, a token could hold red-white, white-red or both: the tiny tower had to learn to add within a token, most
-# seeds settled reading 2 as 3, and some on two counts of four: docs/tests.md.)
+# colour, a token could hold red-white, white-red or both: the tiny tower had to learn to add within a token, and
+# runs settled with counts confused, 2 red frames read as 3 in most: docs/tests.md.)
 SECONDS = 4
 FRAMES_PER_SECOND = 2  # = the towers' temporal patch, and configs/tiny_video.yaml's video_fps
 MARK, BLANK = (220, 30, 30), (255, 255, 255)
