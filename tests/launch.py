@@ -90,3 +90,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(fn, *args, nprocs: int = 2) -> None:
+    """fn(rank, *args) in `nprocs` spawned processes that share one gloo process group (fn: a module's top-level
+    function, so that the spawned interpreters can import it). Spawned, not forked: a fork after the test process
+    has started torch's thread pools can hang in them. A rank that fails prints its traceback and ends at once, and
+    the call raises."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned_rank, args=(nprocs, free_port(), fn, args), nprocs=nprocs, start_method="spawn")
+
+
+def _spawned_rank(rank, nprocs, port, fn, args):
+    import traceback
+
+    import torch.distributed as dist
+
+    from grpo.distributed import exit_rank
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs)
+    try:
+        fn(rank, *args)
+    except BaseException:
+        # said here and ended at once: tearing the group down while another rank waits in a collective aborts the
+        # process (SIGABRT, "terminate called"), which hides which check failed
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()  # no rank leaves while another still exchanges
+    dist.destroy_process_group()
+    # out as the trainer's ranks leave, without the interpreter's teardown, in which a gloo worker still dropping the
+    # last collective's tensors aborts the process (SIGABRT, "terminate called without an active exception": one
+    # launch in about twelve, after every rank had destroyed the group)
+    exit_rank(0)

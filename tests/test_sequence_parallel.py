@@ -2,19 +2,13 @@
 row's positions and layout, the head's rows, the items' owners, and, on 2 gloo ranks, the all-to-all, the gathers
 and Ulysses attention with their gradients. The whole step's parity is in test_train.py."""
 
-import os
-import sys
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo import sequence_parallel as sp_mod
 from grpo.attention import PackedLayout, sdpa_packed
-from grpo.distributed import exit_rank
-from tests.launch import free_port
+from tests.launch import spawn_ranks
 
 
 def test_cut_positions_and_layout_pad_to_the_group():
@@ -61,29 +55,6 @@ def test_assign_items_balances_patches():
     assert loads == [96, 64]
     assert sp_mod.assign_items([4], 2) == [1]  # one image: one rank encodes it, the other runs the blank one
     assert sp_mod.assign_items([8, 8, 8, 8], 4) == [0, 1, 2, 3]
-
-
-def _ranks(rank, port, fn):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        fn(rank)
-    except BaseException:
-        # said here and ended at once: tearing the group down while the other rank waits in a collective aborts the
-        # process (SIGABRT, "terminate called"), which hides which check failed
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.barrier()  # neither rank leaves while the other still exchanges
-    dist.destroy_process_group()
-    # out as the trainer's ranks leave, without the interpreter's teardown, in which a gloo worker still dropping the
-    # last collective's tensors aborts the process (SIGABRT, "terminate called without an active exception": one
-    # launch in about twelve here, after both ranks had destroyed the group)
-    exit_rank(0)
-
-
-def _run(fn):
-    # spawned, not forked: a fork after the test process has started torch's thread pools can hang in them
-    mp.start_processes(_ranks, args=(free_port(), fn), nprocs=2, start_method="spawn")
 
 
 def _all_to_all_and_gathers(rank):
@@ -177,7 +148,7 @@ def test_collectives_and_ulysses_attention_match_one_rank():
     (shared prefix, padded to even), gives the output and query, key and value gradients of one rank's sdpa_packed,
     for grouped key/value heads fewer than the group (repeated) and as many, around the CPU attention and around the
     CUDA one (its varlen kernel swapped for a CPU reference)."""
-    _run(_collectives)
+    spawn_ranks(_collectives)
 
 
 @pytest.mark.parametrize("size,world", [(3, 4), (0, 2)])

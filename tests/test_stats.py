@@ -1,19 +1,13 @@
 """The step's statistics: each recorded in one line where it is computed, reduced over ranks as that line says."""
 
-import os
-
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from grpo.distributed import exit_rank
 from grpo.stats import StepStats
-from tests.launch import free_port
+from tests.launch import spawn_ranks
 
 
-def _two_ranks(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _two_ranks(rank, out):
     stats = StepStats()
     for _ in range(2):  # two optimizer steps of two micro-batches each
         for mb in range(2):
@@ -25,16 +19,13 @@ def _two_ranks(rank, port, out):
         stats.share("actor/only_rank_1", 3.0)
     stats["mismatch/tokens"] += 7  # a raw running sum: starts at 0, is no metric
     out[rank] = stats.metrics(stats["actor/optimizer_steps"])
-    dist.barrier()
-    dist.destroy_process_group()
-    exit_rank(0)  # as the trainer's ranks leave: gloo's workers can abort an interpreter's teardown (exit_rank says)
 
 
 def test_statistics_reduce_as_recorded_over_two_ranks():
     """Guards against a statistic that must be declared apart from where it is computed (forgotten: a KeyError, or
     a metric silently missing from metrics.jsonl), and against shares averaged instead of summed over ranks."""
     out = mp.Manager().dict()
-    mp.spawn(_two_ranks, args=(free_port(), out), nprocs=2)
+    spawn_ranks(_two_ranks, out)
     for rank in (0, 1):
         m = out[rank]
         # shares: summed over micro-batches and ranks, averaged over the 2 optimizer steps
