@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
+REPO = __file__.rsplit("/tests/", 1)[0]
+sys.path.insert(0, REPO)
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
@@ -52,14 +53,15 @@ def synthetic_prompts(processor, text_only=()):
 
 
 def video_prompts(processor, tmp_dir):
-    """PROMPTS prompts of the video demo's task (configs/tiny_video.yaml's frame budget), through the data path."""
+    """PROMPTS prompts of the video demo's task through the data path, as configs/tiny_video.yaml reads them."""
     from data import PromptDataset
+    from grpo import preflight
     from grpo.samples import encode_prompt
     from scripts.make_synthetic_data import make_video_count_task
 
     path = make_video_count_task(os.path.join(tmp_dir, f"videos{dist.get_rank()}.parquet"), n_rows=PROMPTS)
-    ds = PromptDataset(path, processor, format_prompt="", min_pixels=3136, max_pixels=3136, max_frames=8,
-                       video_min_pixels=3136, video_max_pixels=3136, max_prompt_length=192)  # fmt: skip
+    demo = train_grpo.load_config(os.path.join(REPO, "configs", "tiny_video.yaml"))
+    ds = PromptDataset(path, processor, **preflight.dataset_kwargs(demo, processor))
     return [encode_prompt(processor, ds[i]) for i in range(PROMPTS)]
 
 
