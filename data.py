@@ -24,7 +24,8 @@ data file's directory), path strings, raw bytes or PIL images; a missing `images
 problem has none): each a list of frames or a video file, sampled and resized by video.py to the video budget
 (video_fps, max_frames, video_min_pixels, video_max_pixels), apart from the images' budget.
 A bad row (missing or empty field, mark/image or mark/video mismatch, an image or video that does not decode, a video
-without frames) is skipped with a warning naming file and row; only when no row survives is it an error. A configured
+without frames, text holding one of the model's special tokens, docs/data.md) is skipped with a warning naming file
+and row; only when no row survives is it an error. A configured
 key that no row of a file has is an error at once (MissingColumn, naming the file, the key and the columns it has):
 the prompt or answer key always; the image or video key when it is not the default, or when the default is absent
 but another column holds images (a forgotten data.image_key would otherwise train text-only).
@@ -149,12 +150,22 @@ def load_rows(spec: str) -> tuple[list[dict], str]:
 def count_prompt_tokens(examples, image_sizes, processor, min_pixels: int, max_pixels: int, video_tokens=None):
     """Set each example's `num_prompt_tokens` without running the image processor on pixels: the prompt's text
     tokens (one <|image_pad|> per image, one <|video_pad|> per video) plus, per image or video, the tokens that
-    placeholder expands into minus itself (`video_tokens`: per example, video.video_token_count of each video)."""
+    placeholder expands into minus itself (`video_tokens`: per example, video.video_token_count of each video).
+    Returns {index: why} for the examples whose prompt does not hold exactly one pad per image and video."""
     text_ids = processor.tokenizer([ex.prompt for ex in examples])["input_ids"]
     video_tokens = video_tokens or [[] for _ in examples]
-    for ex, ids, sizes, videos in zip(examples, text_ids, image_sizes, video_tokens, strict=True):
+    # the ids the rollout starts from (samples.encode_prompt): the processor expands the k-th image pad into the
+    # k-th image's tokens, and fails on a prompt whose pads are not one per image and video
+    pad_ids = [getattr(processor, f"{kind}_token_id", None) for kind in ("image", "video")]
+    wrong = {}
+    for i, (ex, ids, sizes, videos) in enumerate(zip(examples, text_ids, image_sizes, video_tokens, strict=True)):
         pads = [image_token_count(processor.image_processor, w, h, min_pixels, max_pixels) for w, h in sizes]
         ex.num_prompt_tokens = len(ids) + sum(n - 1 for n in pads) + sum(n - 1 for n in videos)
+        counts = [ids.count(t) for t in pad_ids if t is not None]
+        if counts != [len(sizes), len(videos)][: len(counts)]:
+            wrong[i] = (f"{ex.source}: skipped: its prompt holds {counts} image and video pads for {len(sizes)} "
+                        f"images and {len(videos)} videos")  # fmt: skip
+    return wrong
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,6 +208,20 @@ def chat_turns(value) -> list[tuple[str, str]] | None:
 
 class BadRow(ValueError):
     pass
+
+
+def special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens as they are written in text (`<|image_pad|>`, `<|im_end|>`, ...): a tokenizer
+    reads each of them out of any text as its one id, which the processor then takes for an image slot or a turn."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return sorted({t.content for t in added.values() if t.special} | set(tokenizer.all_special_tokens))
+
+
+def special_token_in(texts, pattern: re.Pattern | None) -> str | None:
+    """The first special token (special_tokens, as one alternation) written in any of `texts`, or None."""
+    if pattern is None:
+        return None
+    return next((m.group(0) for text in texts if (m := pattern.search(text))), None)
 
 
 class MissingColumn(Stop):
@@ -354,11 +379,28 @@ class PromptDataset:
         self.system_prompt = system_prompt
         self.tools = {"tools": tools} if tools else {}  # the tools' schemas, for a chat template that presents them
         self.columns, self.sample_rows = columns, sample_rows
+        # A row's text is text: the model's special tokens written in it would become image slots (the processor
+        # then fails at the rollout that draws the row) or turn boundaries (the row rewrites its chat). Such a row
+        # is skipped at load (docs/data.md says why not encoded as text); the config's own texts must be clean.
+        specials = special_tokens(processor.tokenizer)
+        self.specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        for key, text in (("data.system_prompt", system_prompt), ("data.format_prompt", self.template and
+                          self.template.render(content=""))):  # fmt: skip
+            if token := special_token_in([text or ""], self.specials):
+                raise ValueError(f"{key} holds the model's special token {token!r}, which the tokenizer reads as "
+                                 "a control token, not text: remove it")  # fmt: skip
 
         examples, sources, image_sizes, video_tokens = self.read_examples(specs)
         self.check_instruction(examples, format_prompt, specs)
+        wrong = count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels, video_tokens)
+        if wrong:  # (a special token in a row's text is caught before this; this is the last word on any other way)
+            warn_bad_rows(", ".join(specs), list(wrong.values()))
+            self.n_skipped += len(wrong)
+            examples = [ex for i, ex in enumerate(examples) if i not in wrong]
+            sources = [s for i, s in enumerate(sources) if i not in wrong]
+            if not examples:
+                raise ValueError(f"no usable rows in {', '.join(specs)}: {next(iter(wrong.values()))}")
         self.image_sources, self.video_sources = [s[0] for s in sources], [s[1] for s in sources]
-        count_prompt_tokens(examples, image_sizes, processor, min_pixels, max_pixels, video_tokens)
         keep = [ex.num_prompt_tokens <= max_prompt_length for ex in examples]
         self.n_overlong = keep.count(False)
         if filter_overlong_prompts and self.n_overlong:
@@ -396,11 +438,15 @@ class PromptDataset:
                 base_dir = os.path.dirname(part) if os.path.exists(part) else None
                 self.check_keys(rows, name, base_dir)
                 self.n_rows += len(rows)
+                bad, read = [], range(len(rows))
                 if self.sample_rows and len(rows) > self.sample_rows:
-                    rows = rows[:: len(rows) // self.sample_rows][: self.sample_rows]
-                self.n_read += len(rows)
-                bad = []
-                for i, row in enumerate(rows):
+                    read = read[:: len(rows) // self.sample_rows][: self.sample_rows]
+                    # the text check is cheap: a dry run finds such rows among every row, not only its sample
+                    bad = [f"{name}: skipped row {i}: {problem}" for i, row in enumerate(rows)
+                           if i not in read and (problem := self.text_problem(row))]  # fmt: skip
+                self.n_read += len(read)
+                for i in read:
+                    row = rows[i]
                     try:
                         example, sources, sizes, tokens = self.parse_row(row, f"{name}:{i}", base_dir)
                     except BadRow as e:
@@ -450,6 +496,8 @@ class PromptDataset:
         if turns is None:
             turns = [("user", row_text(row, self.prompt_key))]
         answer = row_text(row, self.answer_key)
+        if problem := self.text_problem(row, turns):
+            raise BadRow(problem)
         users = [i for i, (role, _) in enumerate(turns) if role == "user"]
         if not users or not turns[users[-1]][1].strip():
             raise BadRow(f"{self.prompt_key!r} has no user turn with text")
@@ -491,6 +539,18 @@ class PromptDataset:
         kept = {k: v for k, v in row.items() if self.columns is True or k in self.columns} if self.columns else {}
         example = Example(problem, answer, [], messages, prompt, source, num_prompt_tokens=0, columns=kept)
         return example, (sources, v_sources), sizes, v_tokens
+
+    def text_problem(self, row, turns=None) -> str | None:
+        """Why a row's text cannot be the model's input (a special token written in it), or None."""
+        if turns is None:
+            if not isinstance(row, dict):
+                return None  # (parse_row says what is wrong with it)
+            turns = chat_turns(row_value(row, self.prompt_key)) or [("", str(row_value(row, self.prompt_key) or ""))]
+        token = special_token_in([text for _, text in turns], self.specials)
+        if token is None:
+            return None
+        return (f"{self.prompt_key!r} holds the model's special token {token!r}: the tokenizer would read it as an "
+                "image slot or a turn boundary, not as text")  # fmt: skip
 
     def load_video(self, source) -> Video:
         fps, max_frames, min_pixels, max_pixels = self.video_budget

@@ -161,7 +161,9 @@ class HFEngine:
             batch, response_ids, _ = pack(prompts, responses, self.image_token_id, routes=routes)
         else:
             batch, response_ids, _ = collate(prompts, responses, self.pad_id, self.image_token_id, routes=routes)
-        logp = logprobs.forward_logprobs(self.model, batch, response_ids, temperature)[0].cpu()  # (C, T)
+        # each rank's own answers, whole: a sequence-parallel group's ranks sampled different ones
+        logp = logprobs.forward_logprobs(self.model, batch, response_ids, temperature, split_over_group=False)[0]
+        logp = logp.cpu()  # (C, T)
         return [(ids, logp[row, : len(ids)].tolist(), cut, routes[row])
                 for row, (ids, cut) in enumerate(zip(responses, truncated))]  # fmt: skip
 

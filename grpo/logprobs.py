@@ -204,8 +204,13 @@ def _head_weight(head):
     return head.weight + (b @ a) * head.scaling[LORA_ADAPTER]  # (V, H)
 
 
-def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False):
+def forward_logprobs(
+    model, batch_inputs, response_ids, temperature, with_entropy=False, entropy_grad=False, split_over_group=True
+):
     """Log-probs (B, T) of the response tokens under `model`, and their entropy (B, T) when asked.
+
+    Under sequence parallelism each packed row is cut over the group, whose ranks must pass the same batch; with
+    split_over_group=False each rank runs its own batch whole (the HF engine scoring each rank's own answers).
 
     The full logits would be (B, T, 151936) fp32, 0.6 MB a token, so the LM head runs chunked (chunked_logprobs).
     It must still run inside the root module's forward: under FSDP2 the root owns lm_head, and its weight is
@@ -220,8 +225,9 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     inputs = {k: v.to(device) for k, v in batch_inputs.items()}
     routes = inputs.pop("routes", None)  # the engine's recorded experts of every token (replay.py), or None
     labels = response_ids.to(device)  # (B, T)
+    sp = sequence_parallel.of(model) if split_over_group else None
     with replay.replaying(model, routes):
-        out = _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device)
+        out = _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device, sp)
     logp = out[..., 0]  # (B, T)
     entropy = None
     if with_entropy:
@@ -229,8 +235,9 @@ def forward_logprobs(model, batch_inputs, response_ids, temperature, with_entrop
     return logp, entropy
 
 
-def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device):
-    """forward_logprobs' forward: (B, T, 1 or 2) log-probs (and entropies) in the padded layout."""
+def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, entropy_grad, device, sp):
+    """forward_logprobs' forward: (B, T, 1 or 2) log-probs (and entropies) in the padded layout; `sp`: the
+    sequence-parallel group to cut each packed row over, or None."""
     if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
         # (the state at the last position predicts nothing we sampled; the head drops it)
         out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
@@ -252,7 +259,7 @@ def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, ent
         def call(y, rows, ex):  # the forward, its head on the hidden states at `rows` predicting labels y
             return _call_with_head(model, inputs, y, temperature, with_entropy, entropy_grad, rows, **ex)
 
-        if sequence_parallel.of(model) is None:
+        if sp is None:
             flat = call(flat_labels, keep, extra)
         else:  # the row cut over the group's ranks, the head on each rank's rows (and a rank without images of its
             # own runs the tower on the blank one)

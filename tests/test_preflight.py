@@ -141,6 +141,17 @@ def test_a_file_sampled_by_the_dry_run_is_held_to_the_batch_by_its_rows(dry_run,
     ]  # fmt: skip
 
 
+def test_rows_holding_special_tokens_are_counted_by_the_dry_run_beyond_its_sample(dry_run, monkeypatch):
+    """Guards against a dry run that passes a file whose rows would be skipped by the run (special tokens written in
+    their text) without saying so because its sample missed them: every row's text is checked."""
+    from tests.test_mixed_data import add_dirty_rows
+
+    monkeypatch.setattr(preflight, "SAMPLE_ROWS", 8)
+    dirty = add_dirty_rows(str(dry_run.dir / "train.parquet"))  # rows 32-36, past the sample's rows 0, 4, ... 28
+    code, lines = dry_run()
+    assert code == 0 and f"train_files: 8 sampled prompts parse ({dirty} bad rows" in "\n".join(lines), lines
+
+
 def test_an_answer_column_of_lists_or_structs_is_named_unless_the_reward_reads_it(dry_run):
     """Guards against answers stored as lists or structs reaching the reward as their text ("['48']", "{'style': ...}")
     and grading every answer wrong (or, with a substring match, passing the dry run's boxed sample): the dry run says
