@@ -77,7 +77,8 @@ def config_problem(actor, engine: str) -> str | None:
     if actor.master_dtype not in ("fp32", "bf16"):
         return f"actor.master_dtype={actor.master_dtype!r}; valid: fp32, bf16"
     if actor.master_dtype == "bf16" and actor.lora_rank:
-        return "actor.master_dtype=bf16 is for full fine-tuning: LoRA's adapters are small and train in fp32"
+        return (f"actor.master_dtype=bf16 is for full fine-tuning, not with actor.lora_rank={actor.lora_rank}: LoRA's "
+                "adapters are small and train in fp32")  # fmt: skip
     if actor.router_aux_loss_coef < 0:
         return f"actor.router_aux_loss_coef={actor.router_aux_loss_coef} must be >= 0 (0 = no load-balancing loss)"
     if actor.offload_params and engine != "vllm":

@@ -51,7 +51,8 @@ SWITCHES = {
     "sp": Switch(("actor.sequence_parallel_size=2",)),
     "hf": Switch(("rollout.engine=hf",)),
     "lora": Switch(("actor.lora_rank=8", "actor.lora_alpha=16")),
-    "partial": Switch(("rollout.partial=true",)),
+    # (partial rollouts train older tokens: decoupled PPO's weights against their recorded log-probs)
+    "partial": Switch(("rollout.partial=true", "algorithm.rollout_is=token"), keys=("rollout.partial",)),
     # groups whose answers hold no digit at all are dropped: about one in six at the start, so refills happen
     "dynamic": Switch(
         (
@@ -135,6 +136,15 @@ def dataset(out: Path, tools: bool, video: bool) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
+def switch_overrides(names: tuple[str, ...]) -> list[str]:
+    """The switches' own overrides together. Partial rollouts' older tokens need decoupled PPO's weights or the
+    bypass; with the bypass on they take that (both would correct the mismatch twice, which the check refuses)."""
+    overrides = [o for n in names for o in SWITCHES[n].overrides]
+    if "bypass" in names:
+        overrides = [o for o in overrides if o != "algorithm.rollout_is=token"]
+    return overrides
+
+
 def pair_overrides(names: tuple[str, ...], out: Path, run_dir: Path) -> list[str]:
     """The command line's overrides for configs/tiny.yaml with the switches `names` on."""
     switches = [SWITCHES[n] for n in names]
@@ -146,7 +156,7 @@ def pair_overrides(names: tuple[str, ...], out: Path, run_dir: Path) -> list[str
             "trainer.n_gpus_per_node=2"]  # fmt: skip
     if any(s.teacher for s in switches):
         args.append(f"distill.model_path={model(out, moe, tools, teacher=True)}")
-    return args + [o for s in switches for o in s.overrides]
+    return args + switch_overrides(names)
 
 
 # ----------------------------------------------------------------------------------------------------------------
