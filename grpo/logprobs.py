@@ -127,7 +127,19 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     image = (host_types == 1).long()
     before = torch.cat([image.new_zeros(1), (image - torch.cat([image.new_zeros(1), image[:-1]])).clamp(min=0)])
     before = before.cumsum(0).tolist()  # (L + 1,)
+    # videos that end before each position, by their token counts (Qwen3-VL writes a clip as several runs, split by
+    # its timestamps; videos sit only in prompts, a tool turn brings images)
+    video_ends = torch.zeros(0, dtype=torch.long)
+    if video_grid_thw is not None:
+        merge = model.config.vision_config.spatial_merge_size
+        video_ends = (video_grid_thw.prod(-1) // merge**2).cumsum(0).cpu()  # (videos,)
+    video_tokens = torch.cat([host_types.new_zeros(1), (host_types == 2).long().cumsum(0)]).cpu()  # (L + 1,)
+
+    def videos_before(position: int) -> int:
+        return int(torch.searchsorted(video_ends, video_tokens[position], right=True))
+
     parts, part_types, keep, targets, segments, column, part, grid_rows = [], [], [], [], [], [], [], []
+    video_rows = []
     offset, r = 0, 0
     for p_len, k in zip(prompt_lens.tolist(), group_sizes.tolist()):
         lens = response_lens[r : r + k].tolist()
@@ -135,14 +147,13 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
         starts = [prompt_end + sum(lens[:j]) for j in range(k)]
         per_answer = any(host_types[s : s + n].any() for s, n in zip(starts, lens))  # tool turns' images
         chosen = range(k) if per_answer else [max(range(k), key=lambda j: lens[j])]
-        if per_answer and k > 1 and host_types[offset:prompt_end].eq(2).any():
-            raise NotImplementedError("a shared video prompt whose answers hold tool images")
         first_row = len(parts)
         for j in chosen:
             for rows, out in ((host_ids, parts), (host_types, part_types)):
                 out.append(torch.cat([rows[offset:prompt_end], rows[starts[j] : starts[j] + lens[j]]]))
             grid_rows.append([*range(before[offset], before[prompt_end]),
                               *range(before[starts[j]], before[starts[j] + lens[j]])])  # fmt: skip
+            video_rows.append(range(videos_before(offset), videos_before(prompt_end)))
         segments.append((offset, prompt_end + lens[0] if k == 1 else prompt_end, 0, 0))
         column += range(p_len)
         part += [first_row] * p_len
@@ -157,6 +168,10 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
         offset, r = a, r + k
     if image_grid_thw is not None:  # each row's images, a prompt's again in each row it starts
         image_grid_thw = image_grid_thw[[i for row in grid_rows for i in row]]
+    if video_grid_thw is not None:  # and its videos (a shared prompt with a row per answer: again in each)
+        rows = [i for row in video_rows for i in row]
+        video_grid_thw = video_grid_thw[rows]
+        second_per_grid_ts = None if second_per_grid_ts is None else second_per_grid_ts[rows]
     # the rows (a part's prompt with its longest answer, or with each answer) as a padded batch for get_rope_index
     width = max(len(x) for x in parts)
     ids = torch.zeros(len(parts), width, dtype=host_ids.dtype)  # (G, W)

@@ -73,6 +73,7 @@ SWITCHES = {
             "rollout.tools=[scripts/make_synthetic_data.py:reveal]",
             "rollout.max_turns=2",
             "rollout.max_images_per_prompt=2",
+            "rollout.tool_prompt=Call <tool_call></tool_call> to see the picture.",
             "data.max_response_length=76",
             "data.format_prompt=",
             "reward.reward_fn=reward.py:leading_digit",

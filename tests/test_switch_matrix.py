@@ -38,5 +38,7 @@ def test_pairs_that_meet_in_one_path_train_after_their_dry_run(matrix_dir, pair)
     prompt that holds a clip. Two steps each, validated at the second, on 2 ranks."""
     from tests.launch import torchrun
 
-    result = switch_matrix.run_pair(pair, matrix_dir, launch=lambda args, timeout: torchrun(2, *args, timeout=timeout))
+    result = switch_matrix.run_pair(
+        pair, matrix_dir, launch=lambda args, timeout: torchrun(2, "train_grpo.py", *args, timeout=timeout)
+    )
     assert result["outcome"] == "trains", result

@@ -54,22 +54,36 @@ def test_interleaved_layouts_agree(tiny_model_dir, tiny_processor, attn_implemen
     monkeypatch.setattr(attention, "varlen_kernel", reference_varlen)
     torch.manual_seed(0)
     model = loading.load_model(tiny_model_dir, torch.device("cpu"), attn_implementation)
-    pad_id, image_token_id = tiny_processor.tokenizer.pad_token_id, model.config.image_token_id
     prompts, responses, tool_turns = _interleaved_groups(tiny_processor)
+    layouts = _layouts(tiny_processor, model, prompts, responses, tool_turns)
+    images = sum(len(t.images) for ts in tool_turns for t in ts)
+    assert layouts["packed"][0]["image_grid_thw"].shape[0] == 5 + images  # A's image 4 times, C's once
+    assert layouts["shared"][0]["image_grid_thw"].shape[0] == 3 + images  # A's twice (two parts), C's once
+    _assert_layouts_agree(model, layouts)
+
+
+def _layouts(processor, model, prompts, responses, tool_turns):
+    """The padded, packed and shared-prefix batches of the answers, after checking that the mask holds exactly the
+    model's tokens."""
+    pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
     layouts = {
         "padded": batching.collate(prompts, responses, pad_id, image_token_id, turns=tool_turns),
         "packed": batching.pack(prompts, responses, image_token_id, turns=tool_turns),
         "shared": batching.pack(prompts, responses, image_token_id, share_prompts=True, turns=tool_turns),
     }
     padded_mask = layouts["padded"][2]
-    for i, ts in enumerate(tool_turns):  # the mask holds exactly the model's tokens
+    for i, ts in enumerate(tool_turns):
         model_tokens = len(responses[i]) - sum(len(t.input_ids) for t in ts)
         assert padded_mask[i].sum() == model_tokens
         for t in ts:
             assert padded_mask[i, t.start : t.start + len(t.input_ids)].sum() == 0
-    images = sum(len(t.images) for ts in tool_turns for t in ts)
-    assert layouts["packed"][0]["image_grid_thw"].shape[0] == 5 + images  # A's image 4 times, C's once
-    assert layouts["shared"][0]["image_grid_thw"].shape[0] == 3 + images  # A's twice (two parts), C's once
+    return layouts
+
+
+def _assert_layouts_agree(model, layouts):
+    """Log-probs and every parameter's gradient (the vision tower's included) of the packed and shared layouts
+    equal the padded one's, 1e-5."""
+    padded_mask = layouts["padded"][2]
     results = {}
     for name, (inputs, response_ids, mask) in layouts.items():
         torch.testing.assert_close(mask, padded_mask)
@@ -83,6 +97,36 @@ def test_interleaved_layouts_agree(tiny_model_dir, tiny_processor, attn_implemen
         torch.testing.assert_close(logp, logp_ref, rtol=1e-5, atol=1e-5, msg=name)
         for key in grads_ref:  # every parameter, the vision tower's included
             torch.testing.assert_close(grads[key], grads_ref[key], rtol=1e-5, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_shared_video_prompt_whose_answers_hold_tool_images(tiny_family_dir, tmp_path, family):
+    """Guards against the clip of a shared prompt whose answers hold tool images (each answer its own row of mRoPE
+    positions, the prompt in each) given to one row's positions only: its grid (and Qwen2.5-VL's seconds per
+    patch) must be repeated with the prompt, in Qwen2.5-VL's one run of video tokens and in Qwen3-VL's runs split
+    by timestamps. (A tool run on video rows used to stop at its first log-prob forward.)"""
+    from transformers import AutoProcessor
+
+    from data import PromptDataset
+    from grpo import preflight
+    from grpo.config import load_config
+    from grpo.samples import encode_prompt
+    from scripts.make_synthetic_data import make_video_count_task
+
+    torch.manual_seed(0)
+    model = loading.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+    processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
+    path = make_video_count_task(str(tmp_path / "clips.parquet"), n_rows=2)
+    cfg = load_config("configs/tiny_video.yaml")
+    ds = PromptDataset(path, processor, **preflight.dataset_kwargs(cfg, processor))
+    a, b = (encode_prompt(processor, ds[i]) for i in range(2))
+    g = torch.Generator().manual_seed(3)
+    pic = [tools.ToolResult("zoomed", [_picture((84, 56), s)]) for s in range(3)]
+    plans = [[4, pic[0], 5], [6], [3, pic[1], 2, pic[2], 4], [5], [2, pic[0], 1]]
+    responses, tool_turns = zip(*(interleaved(processor, plan, g) for plan in plans))
+    layouts = _layouts(processor, model, [a, a, a, b, b], list(responses), list(tool_turns))
+    assert layouts["shared"][0]["video_grid_thw"].shape[0] == 2  # each clip once in the shared row
+    _assert_layouts_agree(model, layouts)
 
 
 def test_tool_image_reaches_the_forward(tiny_model_dir, tiny_processor):
