@@ -24,8 +24,9 @@ from grpo import moe, sequence_parallel
 from grpo.attention import resolve_attention, use_varlen_in_vision_tower
 from grpo.families import FAMILIES, SUPPORTED_MODEL_TYPES, family, processor_problem, unsupported_type
 from grpo.linear_attention import use_packed_forward
-from grpo.logprobs import add_vision_dummy, compute_device, text_after_vision_continues
+from grpo.logprobs import add_vision_dummy, compute_device, forbid_sampling, text_after_vision_continues
 from grpo.lora import add_lora, base_name, init_lora, is_lora_factor, lora_config, lora_layers
+from grpo.samples import vision_token_ids
 
 
 def unsupported_model(path: str, needs_experts: str | None = None) -> str | None:
@@ -66,7 +67,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
     weight read, no memory taken; load_sharded then shards it and reads only this rank's part of each weight. A
     checkpoint whose tensors are not exactly the model's (missing or unexpected ones, the model's own ignore list
     aside) is an error either way: never a half-random model."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
     attn_implementation = resolve_attention(attn_implementation, device)
     config = AutoConfig.from_pretrained(path)  # (a hub model's config.json is downloaded here, if it was not cached)
@@ -96,6 +97,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         use_packed_forward(model)
     text_after_vision_continues(model)
     use_varlen_in_vision_tower(model)
+    forbid_sampling(model, vision_token_ids(AutoTokenizer.from_pretrained(path), family(model).vision_tokens))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -23,33 +23,44 @@ from grpo.lora import LORA_ADAPTER
 # Log-probs of sampled tokens from logits or, chunk by chunk, from the last hidden states and the LM head weight.
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32."""
-    logits = logits.float() / temperature  # (B, T, V)
+def scaled_logits(logits: torch.Tensor, temperature: float = 1.0, forbidden: torch.Tensor | None = None):
+    """logits (..., V) -> fp32 logits / temperature, the `forbidden` token ids (K,) at the lowest finite value: out
+    of the softmax, as the engines leave them out of sampling (a finite value, so entropy's p log p is 0, not NaN)."""
+    logits = logits.float() / temperature  # (..., V)
+    if forbidden is not None and forbidden.numel():
+        logits = logits.index_fill(-1, forbidden.to(logits.device), torch.finfo(torch.float32).min)
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, forbidden=None):
+    """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32, over the vocabulary less `forbidden`."""
+    logits = scaled_logits(logits, temperature, forbidden)  # (B, T, V)
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (B, T)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    logits = logits.float() / temperature  # (B, T, V)
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, forbidden=None) -> torch.Tensor:
+    logits = scaled_logits(logits, temperature, forbidden)  # (B, T, V)
     return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
 
 
-def _head_chunk(hidden, weight, labels, temperature, with_entropy):
+def _head_chunk(hidden, weight, labels, temperature, with_entropy, forbidden):
     logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
-    logp = token_logprobs(logits, labels, temperature)  # (C,)
-    return logp, entropy_from_logits(logits, temperature) if with_entropy else None  # (C,)
+    logits = scaled_logits(logits, temperature, forbidden)  # (C, V) fp32, once for both
+    logp = token_logprobs(logits, labels)  # (C,)
+    return logp, entropy_from_logits(logits) if with_entropy else None  # (C,)
 
 
-def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True):
+def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True, forbidden=None):
     """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
     equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
     head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
-    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V)."""
+    instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V). `forbidden` (K,): token ids left
+    out of the softmax (forbid_sampling)."""
     h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logps, entropies = [], []
     for i in range(0, max(h.shape[0], 1), chunk_size):  # (no tokens: one empty chunk, so the weight gets its grad)
-        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy)
+        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy, forbidden)
         if grad:
             logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -58,6 +69,15 @@ def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, wi
         entropies.append(entropy)
     logp = torch.cat(logps).view_as(labels)  # (B, T)
     return logp, torch.cat(entropies).view_as(labels) if with_entropy else None  # (B, T)
+
+
+def forbid_sampling(model, token_ids) -> None:
+    """Leave `token_ids` out of the softmax of every log-prob forward of `model` (policy, reference, teacher): the
+    tokens both engines forbid (samples.vision_token_ids: vLLM's logit bias, the HF engine's suppress_tokens), so the
+    trainer's distribution is the one the engine samples from. Over the whole vocabulary every sampled token's
+    log-prob would be lower by log(1 - p(forbidden)), and since nothing ever samples those tokens, nothing would push
+    their mass back down: a loss whose advantages do not sum to zero over tokens lets it grow."""
+    model.forbidden_token_ids = torch.tensor(sorted(token_ids), dtype=torch.long)  # (K,)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -194,10 +214,12 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
 def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
     """The model's forward with lm_head swapped for chunked_logprobs against `labels` (see forward_logprobs)."""
     head = model.lm_head
+    forbidden = getattr(model, "forbidden_token_ids", None)  # (K,), forbid_sampling
 
     def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
         hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
-        logp, entropy = chunked_logprobs(hidden, _head_weight(head), labels, temperature, with_entropy=with_entropy)
+        logp, entropy = chunked_logprobs(hidden, _head_weight(head), labels, temperature, with_entropy=with_entropy,
+                                         forbidden=forbidden)  # fmt: skip
         if entropy is not None and not entropy_grad:
             entropy = entropy.detach()
         return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)

@@ -175,10 +175,12 @@ class VLLMEngine:
                 max_num_seqs=r.max_num_seqs,
                 limit_mm_per_prompt=limits,
                 mm_processor_kwargs=mm_kwargs,
-                # The trainer's log-prob is log_softmax(logits / T) over the whole vocabulary. At T = 1 that is exactly
-                # vLLM's raw_logprobs; at other temperatures processed_logprobs has the temperature but also top-p and
-                # the vision-token bias, a small mismatch that rollout/logprob_diff_mean then shows.
-                logprobs_mode="raw_logprobs" if r.temperature == 1.0 else "processed_logprobs",
+                # The trainer's log-prob is log_softmax(logits / T) over the vocabulary less the vision tokens
+                # (logprobs.forbid_sampling): vLLM's processed_logprobs, taken after the logit bias that forbids them
+                # and the temperature, at every temperature (its raw_logprobs, before the bias, would differ by
+                # log(1 - p(vision tokens))). With rollout.top_p < 1 they are also renormalised over the nucleus,
+                # which the trainer's are not: rollout/logprob_diff_mean then shows it.
+                logprobs_mode="processed_logprobs",
                 # vLLM keeps the images and clips it has processed (their pixels, host memory) for requests that
                 # bring them again, by default up to 4 GiB per rank: epochs of a large image set or a tool run's
                 # ever-new crops fill it, 32 GiB on a node of 8. memory_plan.py counts the cap in host memory.

@@ -16,7 +16,7 @@ from tests.launch import torchrun
 
 def _old_generate_logprobs(engine, model, prompts, n, params, seed):
     """What the engine did before: one generate call for all prompts with num_return_sequences=n and
-    output_logits=True, log-probs from the kept per-step logits. Returns sequences (B*n, R) and log-probs (B*n, R)."""
+    output_logits=True, log-probs from the kept per-step logits over the tokens it may sample. Returns sequences (B*n, R) and log-probs (B*n, R)."""
     from transformers import GenerationConfig
 
     inputs, _, _ = batching.collate(prompts, [[] for _ in prompts], engine.pad_id, engine.image_token_id)
@@ -30,6 +30,7 @@ def _old_generate_logprobs(engine, model, prompts, n, params, seed):
         out = model.generate(**inputs, generation_config=gen_cfg)
     generated = out.sequences[:, inputs["input_ids"].shape[1] :]  # (B*n, R)
     logits = torch.stack(out.logits, dim=1).float() / params.temperature  # (B*n, R, V)
+    logits[..., engine.forbidden] = float("-inf")  # what generate samples from: suppress_tokens leaves them out
     return generated, logits.log_softmax(-1).gather(-1, generated[..., None])[..., 0]  # (B*n, R)
 
 

@@ -121,3 +121,30 @@ def test_forward_logprobs_matches_full_logits_on_tiny_model(tiny_model_dir, tiny
     finally:
         if fsdp:
             dist.destroy_process_group()
+
+
+def test_the_trainers_softmax_leaves_out_the_tokens_the_engines_never_sample(tiny_model_dir, tiny_processor):
+    """Guards against the trainer normalising over tokens the engines forbid (the vision tokens: vLLM's logit bias,
+    the HF engine's suppress_tokens). Over the whole vocabulary every sampled token's log-prob is lower by
+    log(1 - p(vision tokens)), a distribution nobody samples from, and a loss whose advantages do not sum to zero over
+    tokens pushes mass onto tokens that nothing samples and so nothing pushes back: the forbidden rows of the head
+    must get no gradient at all, and the entropy must stay finite (0 x -inf is NaN)."""
+    from grpo.samples import vision_token_ids
+
+    torch.manual_seed(0)
+    model = loading.load_model(tiny_model_dir, torch.device("cpu"), "sdpa")
+    forbidden = torch.tensor(vision_token_ids(tiny_processor.tokenizer))
+    assert model.forbidden_token_ids.tolist() == forbidden.tolist() and len(forbidden) == 5
+    batch_inputs, response_ids, mask = _tiny_batch(tiny_processor, model)
+    logp, ent = logprobs.forward_logprobs(model, batch_inputs, response_ids, 0.7, True, True)
+    ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+    assert torch.isfinite(ent).all()
+    assert model.lm_head.weight.grad[forbidden].abs().max() == 0
+    assert model.lm_head.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        logits = model(**batch_inputs, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
+        allowed = token_logprobs(logits, response_ids, 0.7, forbidden)
+        whole = token_logprobs(logits, response_ids, 0.7)
+    torch.testing.assert_close(logp.detach() * mask, allowed * mask, rtol=1e-5, atol=1e-5)
+    gap = (allowed - whole)[mask.bool()]  # log(1 / (1 - p(forbidden))) > 0 at every token
+    assert (gap > 1e-4).all(), gap

@@ -57,7 +57,7 @@ def test_synced_engine_logprobs_equal_the_trainers(tp1):
         assert floating > 40 and other == 0 and kernels >= 10, rank["discarded"]
         assert all(math.isfinite(rank[f"diff_{k}"]) for k in ("text", "image", "video")), rank
         assert rank["diff_before_sync"] > 0.5  # the perturbation is visible before the sync
-        assert rank["diff_text"] <= 1e-4, rank["diff_text"]
+        assert rank["diff_text"] <= 1e-4 and rank["diff_text_t07"] <= 1e-4, rank
         assert rank["diff_image"] <= 0.05, rank["diff_image"]
         assert rank["diff_video"] <= 0.05, rank["diff_video"]  # the image bound; measured 1.4e-6
 
@@ -100,7 +100,7 @@ def test_lora_sync_sends_merged_weights_and_only_what_changes(lora_tp1):
     synced twice, then vLLM's log-probs of its own samples are the trainer's, with the tolerances of full tuning."""
     for rank in lora_tp1:
         assert rank["diff_before_sync"] > 0.5  # the adapters alone make the trainer differ from the checkpoint
-        assert rank["diff_text"] <= 1e-4, rank["diff_text"]
+        assert rank["diff_text"] <= 1e-4 and rank["diff_text_t07"] <= 1e-4, rank
         assert rank["diff_image"] <= 0.05, rank["diff_image"]
         resynced = set(rank["resynced"])
         assert not any("lora" in name or "base_layer" in name for name in resynced)

@@ -353,6 +353,10 @@ def main():
         check_batch_queue(engine, image[0], result)
     result["diff_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0)
     result["diff_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0)
+    # below temperature 1 too: the engine's processed log-probs (the bias and the temperature applied) are the
+    # trainer's, whose softmax leaves the forbidden tokens out likewise
+    cool_samples = engine.generate(text, 2, replace(params, temperature=0.7), seed=seed)
+    result["diff_text_t07"] = max_logprob_diff(model, text, cool_samples, ids, 0.7)
     # the share of tokens beyond bf16's rounding: where an MoE engine in bf16 routes a token to other experts than
     # the fp32 trainer, that token alone differs by more
     result["over_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0, over=0.05)
