@@ -16,7 +16,8 @@ from tests.launch import torchrun
 
 def _old_generate_logprobs(engine, model, prompts, n, params, seed):
     """What the engine did before: one generate call for all prompts with num_return_sequences=n and
-    output_logits=True, log-probs from the kept per-step logits over the tokens it may sample. Returns sequences (B*n, R) and log-probs (B*n, R)."""
+    output_logits=True, log-probs from the kept per-step logits over the tokens it may sample. Returns sequences
+    (B*n, R) and log-probs (B*n, R)."""
     from transformers import GenerationConfig
 
     inputs, _, _ = batching.collate(prompts, [[] for _ in prompts], engine.pad_id, engine.image_token_id)
