@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print()
     for r in results:
-        if r["outcome"] != "trains":
+        if r["outcome"] not in ("trains", "dry run passed"):
             print(f"- {'+'.join(r['pair'])}: {r['outcome']}: {r['detail'][:400]}")
     crashed = [r for r in results if r["outcome"] == "CRASH"]
     print(f"\n{len(results)} runs: {sum(r['outcome'] == 'trains' for r in results)} trained, "
