@@ -29,6 +29,17 @@ def processor_normalization() -> dict:
     return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in engine_args() else {}
 
 
+def gdn_prefill(linear_attention: bool) -> dict:
+    """`LLM(...)` arguments for a model with gated-delta-net layers (Qwen3.5) on CUDA: vLLM's Triton prefill kernel.
+    Left at "auto", vLLM 0.26 to 0.33 pick FlashInfer's GDN prefill on SM90 (H100, H200) without checking that
+    flashinfer is there (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend), and
+    import flashinfer.gdn_prefill only at the first prefill: an install without flashinfer (an offline vLLM 0.26)
+    passes the engine's start, whose warm-up logs the error and goes on, and fails at the first rollout; with
+    flashinfer (0.32/0.33) the kernel is JIT-compiled at that first prefill. Triton's needs nothing beyond vLLM. The
+    argument (EngineArgs.gdn_prefill_backend, into additional_config) is passed only where EngineArgs has it."""
+    return {"gdn_prefill_backend": "triton"} if linear_attention and "gdn_prefill_backend" in engine_args() else {}
+
+
 def skip_engine_teardown(llm) -> None:
     """At exit vLLM 0.32/0.33's in-process client runs a weakref finalizer that shuts the engine core down and tears
     torch.distributed down a second time, after main() did (an ignored traceback); the process is exiting anyway, so

@@ -109,7 +109,8 @@ class VLLMEngine:
                   "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
         max_model_len = d.max_prompt_length + d.max_response_length
         if on_cuda:
-            platform = {"gpu_memory_utilization": r.gpu_memory_utilization}
+            platform = {"gpu_memory_utilization": r.gpu_memory_utilization, **vllm_compat.gdn_prefill(
+                family.linear_attention)}  # fmt: skip
         else:
             platform = {
                 # on CPU a utilization would be a share of the host's RAM: size the KV cache explicitly

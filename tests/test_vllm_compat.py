@@ -243,6 +243,76 @@ def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_
     assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
 
 
+# EngineArgs.gdn_prefill_backend, the values each version takes (engine/arg_utils.py: 0.26.0 line 737, 0.32.0 line
+# 850, 0.33.0 line 872); None: a build without the field
+GDN_PREFILL_BACKENDS = {
+    "0.26": ("flashinfer", "triton", "cutedsl"),
+    "0.32": ("flashinfer", "triton", "cutedsl", "aiter_flydsl"),
+    "0.33": ("flashinfer", "triton", "cutedsl", "aiter_flydsl", "sycl"),
+    "without the field": None,
+}
+
+
+def gdn_prefill_on_sm90(kwargs: dict, backends) -> str:
+    """The gated-delta-net prefill kernel vLLM 0.26 to 0.33 run on an H100/H200 for LLM(**kwargs): EngineArgs raises
+    TypeError on an argument it lacks; create_engine_config copies gdn_prefill_backend, when given, into
+    additional_config; qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend reads it there ("auto" when absent) and,
+    on SM90 (device capability 90), takes flashinfer for "flashinfer" or "auto", else what was asked (triton)."""
+    if backends is None and "gdn_prefill_backend" in kwargs:
+        raise TypeError("EngineArgs.__init__() got an unexpected keyword argument 'gdn_prefill_backend'")
+    additional = {}
+    if kwargs.get("gdn_prefill_backend") is not None:
+        assert kwargs["gdn_prefill_backend"] in backends
+        additional["gdn_prefill_backend"] = kwargs["gdn_prefill_backend"]
+    backend = str(additional.get("gdn_prefill_backend", "auto")).strip().lower()
+    return "flashinfer" if backend in ("flashinfer", "auto") else backend
+
+
+@pytest.mark.parametrize("version", list(GDN_PREFILL_BACKENDS))
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl"])
+def test_qwen3_5_engine_takes_the_triton_prefill_on_cuda(monkeypatch, tiny_family_dir, family, version):
+    """Guards against Qwen3.5's first rollout on an H100 or H200 failing in FlashInfer's GDN prefill (vLLM picks it
+    on SM90 without checking that flashinfer is installed, and imports it only at the first prefill; where it is
+    installed it is compiled then), and against an argument that a vLLM build without the field refuses. VLLMEngine
+    is started as on a CUDA node with a stand-in LLM and EngineArgs that take exactly each version's arguments."""
+    import torch
+    import torch.distributed as dist
+    import vllm
+    import vllm.engine.arg_utils
+    from transformers import AutoProcessor
+
+    import train_grpo
+    from grpo.vllm_engine import VLLMEngine
+
+    backends = GDN_PREFILL_BACKENDS[version]
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(vllm.engine.arg_utils.EngineArgs)]
+    fields = [f for f in fields if f[0] != "gdn_prefill_backend"]
+    if backends is not None:
+        fields.append(("gdn_prefill_backend", str | None, dataclasses.field(default=None)))
+    monkeypatch.setattr(vllm.engine.arg_utils, "EngineArgs", dataclasses.make_dataclass("EngineArgs", fields))
+
+    class Built(Exception):
+        pass
+
+    def llm(**kwargs):
+        raise Built(kwargs, gdn_prefill_on_sm90(kwargs, backends))
+
+    path = tiny_family_dir(family)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(vllm, "LLM", llm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={path}",
+                                        "rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0"])  # fmt: skip
+    with pytest.raises(Built) as built:
+        VLLMEngine(cfg, AutoProcessor.from_pretrained(path))
+    kwargs, prefill = built.value.args
+    if family == "qwen3_5" and backends is not None:
+        assert kwargs["gdn_prefill_backend"] == "triton" and prefill == "triton"
+    else:  # nothing to choose (a dense model), or nothing to choose with (the build has no such argument)
+        assert "gdn_prefill_backend" not in kwargs
+
+
 # vLLM's reload reports the engine's parameters a sync did not send from this logger: 0.26 in its model runner
 # (v1/worker/gpu_model_runner.py reload_weights), 0.32/0.33 in model_loader/reload/inplace.py reload_weights
 NOT_LOADED_LOGGER = {
