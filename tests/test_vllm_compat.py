@@ -302,8 +302,8 @@ def test_qwen3_5_engine_takes_the_triton_prefill_on_cuda(monkeypatch, tiny_famil
     monkeypatch.setattr(vllm, "LLM", llm)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={path}",
-                                        "rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0"])  # fmt: skip
+    overrides = ["rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0"]
+    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={path}", *overrides])
     with pytest.raises(Built) as built:
         VLLMEngine(cfg, AutoProcessor.from_pretrained(path))
     kwargs, prefill = built.value.args
