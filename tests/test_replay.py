@@ -236,6 +236,41 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
     assert vllm_compat.captures_routes(on_cuda=True)
 
 
+def test_replay_under_model_runner_v2_and_tensor_parallelism_takes_the_hooks_or_stops_at_the_check(monkeypatch):
+    """Guards against a first step that stops on every rank but the first: vLLM 0.32/0.33 (AuxOutputConfig) capture
+    the routes in Model Runner V2 on the first TP rank's worker only, and under the external launcher each rank's
+    scheduler asserts its requests' routes are there. At TP 2 the engine reads them by its routers' hooks instead, and
+    with CUDA graphs on (which do not run hooks) the config check, the dry run's, stops naming the keys. On 0.26
+    (no AuxOutputConfig) the V1 runner's capture is kept."""
+    import vllm.config
+
+    from grpo import vllm_compat
+    from grpo.config import ConfigError
+    from train_grpo import check_config, load_config
+
+    def config(*extra):
+        return load_config(None, ["rollout.engine=vllm", "algorithm.routing_replay=r3", "actor.global_batch_size=8",
+                                  "data.rollout_batch_size=8", *extra])  # fmt: skip
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(vllm.config, "AuxOutputConfig", getattr(vllm.config, "AuxOutputConfig", object), raising=False)
+    assert vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=1)
+    assert not vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError) as stop:
+        check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+    for key in ("algorithm.routing_replay=r3", "rollout.tensor_parallel_size=2", "VLLM_USE_V2_MODEL_RUNNER=1",
+                "rollout.enforce_eager=true"):  # fmt: skip
+        assert key in str(stop.value)
+    check_config(config("rollout.tensor_parallel_size=2", "rollout.enforce_eager=true"), world_size=2)  # the hooks
+    check_config(config("rollout.tensor_parallel_size=1"), world_size=2)  # vLLM's capture on the only rank
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1: no capture; vllm_engine asks for eager at start
+    check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.delattr(vllm.config, "AuxOutputConfig")  # 0.26: its V1 runner's capture
+    assert vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=2)
+    check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+
+
 def test_hf_engine_records_the_routes_of_its_generate(tiny_family_dir):
     """Guards against the HF engine's record shifted against its tokens (the left pads of a batch's prompts, the
     decode steps after the prefill, rows that finished early and go on stepping): the routes it records while
