@@ -9,6 +9,7 @@ import torch
 from transformers import AutoProcessor
 
 from grpo import batching, loading, logprobs, moe, replay, routing
+from tests.launch import spawn_ranks
 from tests.test_moe import MOE_FAMILIES
 from tests.test_packing import _mixed_batch
 
@@ -298,3 +299,38 @@ def test_hf_engine_records_the_routes_of_its_generate(tiny_family_dir):
         differ += int((s.routes[:-1].long().sort(-1).values != o[:-1].sort(-1).values).any(-1).sum())
         total += o[:-1].shape[0] * o.shape[1]
     assert differ <= 0.01 * total, (differ, total)  # a near tie may tip between a decode step and one forward
+
+
+def _hf_routing_on_two_ranks(rank, path, out):
+    """Rank 0 records the routes of two image prompts' answers, rank 1 has none to record (its answers came whole
+    from generate), on one FSDP2-sharded model."""
+    import torch.distributed as dist
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    loading.apply_fsdp(model, torch.device("cpu"))
+    loading.root_forward(model, processor.tokenizer.pad_token_id)
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    mine = ([prompts[0], prompts[2]], [responses[0], responses[2]]) if rank == 0 else ([], [])
+    out[rank] = routing.hf_routing(model, *mine)
+    dist.barrier()
+
+
+def test_hf_routing_joins_the_forward_on_a_rank_without_samples(tiny_family_dir):
+    """Guards against the HF engine's routing replay stopping (or hanging) when one rank has answers to record (a
+    tool turn, a carried answer) and another has none: FSDP2's forward is a collective every rank must join, so the
+    rank without runs a filler sequence and returns nothing, and the rank with gets the routes one unsharded forward
+    gives."""
+    import torch.multiprocessing as mp
+
+    path = tiny_family_dir("qwen3_vl_moe")
+    out = mp.Manager().dict()
+    spawn_ranks(_hf_routing_on_two_ranks, path, out)
+    assert out[1] == []
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    want = routing.hf_routing(model, [prompts[0], prompts[2]], [responses[0], responses[2]])
+    assert len(out[0]) == 2
+    for got, w in zip(out[0], want, strict=True):
+        assert got.shape == w.shape and torch.equal(got.sort(-1).values, w.sort(-1).values)
