@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import mismatch, partial, preflight, replay, routing, sequence_parallel, turns
+from grpo import linear_attention, mismatch, partial, preflight, replay, routing, sequence_parallel, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
@@ -751,6 +751,7 @@ def main(argv=None):
     teacher = load_teacher(cfg.distill, a, device, pad_id)  # None without distill.model_path
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # (a DTensor counts its full size)
     print0(f"trainable parameters: {n_trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
+    linear_attention.warm_up(model, device)  # fla's kernels tune at their first call: here, timed, not in step 1
     ids = (pad_id, model.config.image_token_id)
     optimizer, scheduler = make_optimizer(model, a)
     offload.hold(model, ref_model, optimizer, a, teacher, cfg.distill.offload)  # to host while generating, and back

@@ -9,6 +9,7 @@ and how fast is it?
     python bench/gpu_check.py --config configs/geo3k_3b_1x40gb.yaml --gpu-memory-utilization 0.43  # the 40 GB recipe
     python bench/gpu_check.py --family qwen3_5 --lora  # Qwen3.5-9B's shape: linear attention through fla's kernel
     python bench/gpu_check.py --family qwen3_vl_moe --lora  # Qwen3-VL-30B-A3B's shape: one H200 (141 GiB)
+    python bench/gpu_check.py --family qwen3_5_moe --lora --layers 8  # Qwen3.5-35B-A3B's layers, 8 of its 40
 
 1. Builds a random Qwen2.5-VL with the 3B shape (36 layers of width 2048, the 32-block vision tower, the 151,936-row
    vocabulary) from a config written here, with the tiny test tokenizer padded to the real token count, and saves
@@ -41,10 +42,17 @@ qwen3_vl_moe it is Qwen3-VL-30B-A3B's shape (31.1 B parameters, 3.9 B active, ag
 only; its bf16 weights, 57.9 GiB, are there twice while vLLM generates (trainer and engine), which one 80 GiB GPU
 cannot hold (the dry run says so; `--set trainer.gpu_memory_gib=141` plans an H200). Its engine-vs-trainer
 comparison also prints the share of (token, layer) pairs that vLLM routes to other experts than the trainer
-(routing.py), with vLLM eager: module hooks read the routers, and CUDA graphs would not run them.
+(routing.py), with vLLM eager: module hooks read the routers, and CUDA graphs would not run them. --family
+qwen3_5_moe is Qwen3.5-35B-A3B's shape (35.11 B parameters, 3.9 B active), LoRA only.
+
+--layers N keeps the first N decoder layers of the shape (every layer's own shape, the vocabulary and the tower
+unchanged): an MoE shape whole is a 58 to 65 GiB bf16 checkpoint, which a machine with a 64 GiB disk cannot write, and
+LoRA's level-1 sleep pins as much host memory again. The dry run prints the checkpoint's size beside the disk free
+where it is built and the host's memory; a check that would take more than half of either stops before it builds.
 """
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -69,17 +77,20 @@ from scripts.make_tiny_model import FAMILIES, QWEN_SPECIAL_TOKENS, _token_ids, b
 START_ENV = dict(os.environ)
 REAL_TOKENS, REAL_VOCAB = 151_665, 151_936  # Qwen2.5-VL's tokenizer size and embedding rows
 QWEN3_5_VOCAB = 248_320  # Qwen3.5's embedding rows (its tokenizer is padded to them here)
+# Qwen3.5's layers: three gated DeltaNet layers, then one of full attention (so --layers takes a multiple of 4)
+QWEN3_5_LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 10
 # Dense bf16 peak of the GPUs this is likely to meet, TFLOP/s (vendor data sheets, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100 80GB HBM3": 989.0, "H100 NVL": 835.0, "H100 PCIe": 756.0, "A100": 312.0}
 
 
-def qwen2_5_vl_3b_config(tokenizer):
-    """Qwen2.5-VL-3B-Instruct's architecture (its published config.json), with token ids from our tokenizer."""
+def qwen2_5_vl_3b_config(tokenizer, layers=None):
+    """Qwen2.5-VL-3B-Instruct's architecture (its published config.json), with token ids from our tokenizer; its
+    first `layers` decoder layers only where given (all 36 by default)."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
     text = dict(
-        vocab_size=REAL_VOCAB, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        vocab_size=REAL_VOCAB, hidden_size=2048, intermediate_size=11008, num_hidden_layers=layers or 36,
         num_attention_heads=16, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=128000,
         rms_norm_eps=1e-6, use_sliding_window=False, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
@@ -98,16 +109,16 @@ def qwen2_5_vl_3b_config(tokenizer):
     )  # fmt: skip
 
 
-def qwen3_5_9b_config(tokenizer):
+def qwen3_5_9b_config(tokenizer, layers=None):
     """Qwen3.5-9B's architecture (the numbers memory_plan.KNOWN_SHAPES keeps: 32 layers of width 4096, three gated
     DeltaNet layers to one full-attention layer, 248,320 embedding rows untied, Qwen3-VL's 27-block tower without
-    deepstack), with token ids from our tokenizer."""
+    deepstack), with token ids from our tokenizer; its first `layers` decoder layers only where given."""
     from transformers import Qwen3_5Config
 
     vision_ids, special = _token_ids(tokenizer)
     text = dict(
-        vocab_size=QWEN3_5_VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 8,
+        vocab_size=QWEN3_5_VOCAB, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 32,
+        layer_types=QWEN3_5_LAYER_TYPES[: layers or 32],
         num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
@@ -123,15 +134,16 @@ def qwen3_5_9b_config(tokenizer):
                          dtype="bfloat16")  # fmt: skip
 
 
-def qwen3_vl_30b_a3b_config(tokenizer):
+def qwen3_vl_30b_a3b_config(tokenizer, layers=None):
     """Qwen3-VL-30B-A3B's architecture (its published config.json; memory_plan.KNOWN_SHAPES' numbers): 48 layers of
     width 2048, each a mixture of 128 experts with 8 routed a token (3 B of its 31 B parameters active), Qwen3-VL's
-    27-block tower with deepstack, 151,936 embedding rows untied, with token ids from our tokenizer."""
+    27-block tower with deepstack, 151,936 embedding rows untied, with token ids from our tokenizer; its first
+    `layers` decoder layers only where given."""
     from transformers import Qwen3VLMoeConfig
 
     vision_ids, special = _token_ids(tokenizer)
     text = dict(
-        vocab_size=REAL_VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        vocab_size=REAL_VOCAB, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers or 48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, hidden_act="silu", max_position_embeddings=262144,
         rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
         norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
@@ -147,49 +159,110 @@ def qwen3_vl_30b_a3b_config(tokenizer):
                             dtype="bfloat16")  # fmt: skip
 
 
+def qwen3_5_35b_a3b_config(tokenizer, layers=None):
+    """Qwen3.5-35B-A3B's architecture (memory_plan.KNOWN_SHAPES' numbers, its model card's config.json; transformers'
+    Qwen3.5-MoE defaults are the same): 40 layers of width 2048, three gated DeltaNet layers to one full-attention
+    layer, each a mixture of 256 experts (8 routed a token) beside a shared expert, 248,320 embedding rows untied,
+    Qwen3-VL's 27-block tower without deepstack, with token ids from our tokenizer; its first `layers` decoder layers
+    only where given."""
+    from transformers import Qwen3_5MoeConfig
+
+    vision_ids, special = _token_ids(tokenizer)
+    text = dict(
+        vocab_size=QWEN3_5_VOCAB, hidden_size=2048, num_hidden_layers=layers or 40,
+        layer_types=QWEN3_5_LAYER_TYPES[: layers or 40], num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        **special,
+    )  # fmt: skip
+    vision = dict(
+        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
+    )  # fmt: skip
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
+                            dtype="bfloat16")  # fmt: skip
+
+
 # --family -> (the architecture, its name, the recipe the check scales down to one GPU)
 SHAPES = {
     "qwen2_5_vl": (qwen2_5_vl_3b_config, "Qwen2.5-VL-3B", "configs/geo3k_3b.yaml"),
     "qwen3_5": (qwen3_5_9b_config, "Qwen3.5-9B", "configs/qwen3_5_9b_geo3k.yaml"),
     "qwen3_vl_moe": (qwen3_vl_30b_a3b_config, "Qwen3-VL-30B-A3B", "configs/qwen3_vl_8b_geo3k.yaml"),
+    "qwen3_5_moe": (qwen3_5_35b_a3b_config, "Qwen3.5-35B-A3B", "configs/qwen3_5_9b_geo3k.yaml"),
 }
+LORA_ONLY = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")  # whole, their fp32 state alone outgrows one GPU
 
 
-def build_model(out_dir, family="qwen2_5_vl"):
+def build_model(out_dir, family="qwen2_5_vl", layers=None):
     """A random checkpoint of the family's real shape (bf16 safetensors, tokenizer, processor) in out_dir (kept if it
     is there already, so that several checks share one); returns its parameter count, that of the language model
     alone (with its LM head) and that of the vision tower. The tokenizer is the tests' tiny BPE plus placeholder
     tokens up to the real count, so the vocabulary, and with it the LM head and the sampling cost, are the real
-    ones."""
+    ones. `layers`: the shape's first that many decoder layers only."""
     _, make_processor, _, model_class = FAMILIES[family]
     make_config = SHAPES[family][0]
     if not os.path.exists(os.path.join(out_dir, "model.safetensors.index.json")):
         tokenizer = real_size_tokenizer(family)
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = model_class._from_config(make_config(tokenizer), dtype=torch.bfloat16)
+            model = model_class._from_config(make_config(tokenizer, layers), dtype=torch.bfloat16)
         model.generation_config = build_generation_config(tokenizer)
         model.save_pretrained(out_dir)
         make_processor(tokenizer).save_pretrained(out_dir)
         del model
         torch.cuda.empty_cache()
     with torch.device("meta"):
-        model = model_class._from_config(make_config(real_size_tokenizer(family)))
+        model = model_class._from_config(make_config(real_size_tokenizer(family), layers))
     total = sum(p.numel() for p in model.parameters())  # a tied embedding / LM head counted once
     vision = sum(p.numel() for p in model.model.visual.parameters())
     return total, total - vision, vision
 
 
+@functools.cache  # (some seconds to build; read, never changed)
 def real_size_tokenizer(family="qwen2_5_vl"):
     tokenizer = build_tokenizer(seed=0, vocab_size=400, tokenizer_class=FAMILIES[family][0])
-    real = QWEN3_5_VOCAB if family == "qwen3_5" else REAL_TOKENS
+    real = QWEN3_5_VOCAB if family.startswith("qwen3_5") else REAL_TOKENS
     tokenizer.add_tokens([f"<|filler_{i}|>" for i in range(real - len(tokenizer))])
     return tokenizer
 
 
-def write_config_only(out_dir, family="qwen2_5_vl"):
+def write_config_only(out_dir, family="qwen2_5_vl", layers=None):
     """The checkpoint's config.json alone: all that the memory plan reads (a dry run builds no weights)."""
-    SHAPES[family][0](real_size_tokenizer(family)).save_pretrained(out_dir)
+    SHAPES[family][0](real_size_tokenizer(family), layers).save_pretrained(out_dir)
+
+
+def checkpoint_gib(family="qwen2_5_vl", layers=None) -> float:
+    """The bf16 checkpoint's size, GiB: 2 bytes a parameter (counted on the meta device; the files' headers and the
+    tokenizer add a few MiB)."""
+    model_class = FAMILIES[family][3]
+    with torch.device("meta"):
+        model = model_class._from_config(SHAPES[family][0](real_size_tokenizer(family), layers))
+    return 2 * sum(p.numel() for p in model.parameters()) / 2**30
+
+
+def machine_problem(gib: float, disk_free_gib: float, host_gib: float, lora: bool) -> str | None:
+    """Why a checkpoint of `gib` would not fit this machine with room, or None: more than half the disk free where it
+    is built (the run's data, outputs and the engine's own files need the rest), or, with LoRA (vLLM sleeps at level
+    1: its weights, as large, pinned in host memory), more than half the host's memory (the trainer's processes and
+    the loader's buffers need the rest)."""
+    if gib > disk_free_gib / 2:
+        return f"its checkpoint, {gib:.1f} GiB, is more than half of the {disk_free_gib:.1f} GiB free on its disk"
+    if lora and gib > host_gib / 2:
+        return (f"with LoRA vLLM's level-1 sleep pins its weights, {gib:.1f} GiB, in host memory: more than half of "
+                f"the host's {host_gib:.1f} GiB")  # fmt: skip
+    return None
+
+
+def machine_room(path) -> tuple[float, float]:
+    """GiB free on the disk that holds `path` (or its nearest existing parent), and the host's memory in GiB."""
+    import shutil
+
+    while not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    return shutil.disk_usage(path).free / 2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 def trainer_argv(model_dir, data_dir, out_dir, args):
@@ -247,11 +320,17 @@ def training_mode(cfg):
 def dry_run(args):
     """Print the plan of exactly the run main() would make, on the GPU it would assume; 0 when it fits."""
     with tempfile.TemporaryDirectory() as tmp:
-        write_config_only(tmp, args.family)
+        write_config_only(tmp, args.family, args.layers)
         argv = trainer_argv(tmp, tmp, os.path.join(tmp, "run"), args)
         cfg, _, text, problem = memory_plan(argv)
     print("gpu check, dry run: " + " ".join(a for a in argv[1:] if not a.startswith(("actor.model_path", "data.tr"))))
     print(text)
+    # the machine the dry run runs on may not be the one the check will: its room is said, the run itself stops on it
+    gib = checkpoint_gib(args.family, args.layers)
+    disk, host = machine_room(args.model_dir or tempfile.gettempdir())
+    here = machine_problem(gib, disk, host, args.lora)
+    print(f"checkpoint {gib:.1f} GiB (bf16); this machine: {disk:.1f} GiB free on its disk, {host:.1f} GiB of memory"
+          f" ({f'a run here would stop: {here}' if here else 'room for it'})")  # fmt: skip
     if problem:
         print(f"does not fit: {problem}")
         return 1
@@ -576,11 +655,18 @@ def parse_args(argv=None):
     parser.add_argument("--config", default="", help=recipe)
     parser.add_argument("--family", default="qwen2_5_vl", choices=sorted(SHAPES), help="the shape: " + ", ".join(
         f"{k} = {v[1]}" for k, v in SHAPES.items()))  # fmt: skip
+    parser.add_argument("--layers", type=int, default=0, help="the shape's first N decoder layers only (default: all)")
     args = parser.parse_args(argv)
-    if args.family in ("qwen3_5", "qwen3_vl_moe") and not args.lora:  # fp32 masters and AdamW: 16 B a parameter
-        parser.error(f"{SHAPES[args.family][1]}'s full fine-tuning does not fit one GPU: add --lora")
+    args.layers = args.layers or None
+    if args.family in LORA_ONLY and not args.lora and not args.layers:  # fp32 masters and AdamW: 16 B a parameter
+        parser.error(f"{SHAPES[args.family][1]}'s full fine-tuning does not fit one GPU: add --lora (or --layers)")
+    whole = {"qwen2_5_vl": 36, "qwen3_5": 32, "qwen3_vl_moe": 48, "qwen3_5_moe": 40}[args.family]  # (the configs')
+    if args.layers is not None and not 1 <= args.layers <= whole:
+        parser.error(f"--layers {args.layers}: {SHAPES[args.family][1]} has {whole}")
+    if args.layers and args.family.startswith("qwen3_5") and args.layers % 4:  # keep 3 linear : 1 full attention
+        parser.error(f"--layers {args.layers}: Qwen3.5's layers come in fours (three linear attention, one full)")
     # vLLM's share while awake: its bf16 weights and a KV cache (Qwen3-VL-30B-A3B's weights alone are 57.9 GiB)
-    utilization = {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5}.get(args.family, 0.2)
+    utilization = {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5, "qwen3_5_moe": 0.5}.get(args.family, 0.2)
     args.gpu_memory_utilization_given = args.gpu_memory_utilization
     args.gpu_memory_utilization = args.gpu_memory_utilization or utilization
     return args
@@ -606,13 +692,16 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, data_dir = args.model_dir or os.path.join(tmp, "model"), os.path.join(tmp, "data")
         argv = trainer_argv(model_dir, data_dir, os.path.join(tmp, "run"), args)
-        write_config_only(tmp, args.family)  # the plan first: a run that cannot fit stops before minutes of building
+        write_config_only(tmp, args.family, args.layers)  # the plan first: a run that cannot fit stops before building
         cfg, plan, plan_text, problem = memory_plan([argv[0], *argv[1:], f"actor.model_path={tmp}"])
+        if not os.path.exists(os.path.join(model_dir, "model.safetensors.index.json")):
+            problem = problem or machine_problem(checkpoint_gib(args.family, args.layers), *machine_room(model_dir),
+                                                 args.lora)  # fmt: skip
         if problem:
             raise SystemExit(f"{plan_text}\nthe run does not fit: {problem}")
         phases = {k: sum(v.values()) / 2**30 for k, v in plan.numbers["phases"].items()}
         t0 = time.perf_counter()
-        n_params, n_text, n_vision = build_model(model_dir, args.family)
+        n_params, n_text, n_vision = build_model(model_dir, args.family, args.layers)
         make_geo3k_like(f"{data_dir}/train.parquet", n_rows=max(64, args.prompts * (args.steps + 1)), seed=0,
                         image_size=tuple(args.image_size))  # fmt: skip
         shape = SHAPES[args.family][1]
@@ -654,7 +743,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "engine": args.engine,
-        "model": SHAPES[args.family][1],
+        "model": SHAPES[args.family][1] + (f", its first {args.layers} layers" if args.layers else ""),
         "fla": startup.library_versions()["fla"],
         "mode": training_mode(cfg),
         "config": os.path.relpath(argv[0], REPO),
@@ -687,6 +776,7 @@ def main(argv=None):
         "tower_varlen_vs_sdpa": tower,
     }
     tag = ("lora" if args.lora else "full") + ("" if args.family == "qwen2_5_vl" else f"_{args.family}")
+    tag += f"_{args.layers}layers" if args.layers else ""
     tag += f"_{os.path.splitext(os.path.basename(args.config))[0]}" if args.config else ""
     tag += "_eager" if args.enforce_eager and args.engine == "vllm" else ""
     with open(os.path.join(out, f"gpu_check_{tag}.json"), "w") as f:

@@ -379,10 +379,35 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
         raise ConfigError(f"rollout.sleep_level={r.sleep_level}; valid: -1 (auto), 0 (never sleep), 1, 2")
     if alg.routing_replay not in ("none", "r3"):  # (replay.MODES)
         raise ConfigError(f"algorithm.routing_replay={alg.routing_replay!r}; valid: none, r3 (MoE models: replay.py)")
+    if problem := replay_capture_problem(cfg):
+        raise ConfigError(problem)
     if problem := mismatch_problem(cfg.algorithm) or partial_problem(cfg):
         raise ConfigError(problem)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: expected auto, none or a checkpoint directory")
+
+
+def replay_capture_problem(cfg) -> str | None:
+    """Routing replay under vLLM's Model Runner V2 with tensor parallelism and CUDA graphs: vLLM 0.32/0.33 capture
+    the routes on the first TP rank only, where every rank's scheduler expects them (vllm_compat.captures_routes),
+    so the engine reads them by hooks on its routers instead, which CUDA graphs do not run. Stopped here, at the
+    config check (and --dry-run), not at the engine's start minutes later."""
+    r = cfg.rollout
+    if cfg.algorithm.routing_replay != "r3" or r.engine != "vllm" or r.tensor_parallel_size == 1 or r.enforce_eager:
+        return None
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "1":
+        return None
+    from grpo import vllm_compat
+
+    if not vllm_compat.v2_only_capture():
+        return None
+    return (
+        f"algorithm.routing_replay=r3 with rollout.tensor_parallel_size={r.tensor_parallel_size} and "
+        "VLLM_USE_V2_MODEL_RUNNER=1: this vLLM's own capture of the routes (Model Runner V2) returns them from the "
+        "first TP rank only, and every other rank's scheduler stops at the first step; the engine reads them by "
+        "hooks on its routers instead, which CUDA graphs do not run: set rollout.enforce_eager=true, or "
+        "rollout.tensor_parallel_size=1"
+    )
 
 
 def config_to_dict(cfg: Config) -> dict:

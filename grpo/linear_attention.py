@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo import sequence_parallel
+from grpo.attention import PackedLayout
 
 
 def use_packed_forward(model):
@@ -164,6 +166,53 @@ def delta_rule(q, k, v, g, beta, p: Plan):
     initial = states[p.state_index]  # (answers, HV, Dk, Dv): each answer starts where its prompt ended
     out_second = kernel(*second, initial_state=initial, cu_seqlens=cu, cu_seqlens_cpu=cu_host, **common)[0]
     return torch.cat([out_first, out_second], dim=1)[:, p.unpermute]  # (1, L, HV, Dv)
+
+
+def warm_up(model, device) -> float | None:
+    """Tune fla's kernels before the first step, timed and said; returns the seconds, or None where nothing tunes.
+
+    fla's Triton kernels pick their launch configuration at their first call for each tuning key by timing every
+    candidate (fla 0.6.0 ships no tuned configurations, and its configuration cache is off unless FLA_CACHE_MODE is
+    set: fla/ops/utils/cache.py line 52): on SM90 about 120 configurations for the packed forward and backward, and
+    minutes that would otherwise fall, unnamed, inside the first step's log-probs and update on every rank. The keys
+    hold the head counts and dimensions and the dtypes, not the row's length (but for l2norm's bucket of 65,536
+    rows, 2,048 tokens at 32 heads: a few configurations more when a longer row first comes). So one forward and
+    backward of the delta rule at the model's shapes, over a small row of both kinds of call the packed forward
+    makes (plain sequences and prompts keeping their final states, then answers starting from them), tunes what the
+    steps will call. Triton keeps each choice on disk (fla passes cache_results=True unless FLA_CACHE_RESULTS=0:
+    fla/utils/env.py lines 26 and 112), under TRITON_CACHE_DIR (default ~/.triton/cache): a later run on the same
+    machine reads them and this takes seconds. Nothing to do without linear-attention layers, or where the kernel is
+    by_sequence (CPU, or no fla), which does not tune."""
+    layers = [layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn")]
+    kernel = delta_rule_kernel(device.type)
+    if not layers or kernel is by_sequence:
+        return None
+    from grpo.distributed import print0
+
+    m = layers[0]  # every linear-attention layer of a model has the same shapes
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what the packed forward computes in
+    length = 192  # a prompt of 64 tokens with an answer of 32 after it, and a plain sequence of 96
+    layout = PackedLayout([(0, 64, 0, 0), (64, 96, 0, 64), (96, 192, 0, 0)], length, device)
+
+    def leaf(*shape, dtype=dtype, rand=torch.randn):
+        return rand(1, length, m.num_v_heads, *shape, device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = leaf(m.head_k_dim), leaf(m.head_k_dim), leaf(m.head_v_dim)  # (1, L, HV, D)
+    g = (-leaf(dtype=torch.float32, rand=torch.rand)).detach().requires_grad_()  # (1, L, HV) log decay < 0, in fp32
+    beta = leaf(rand=torch.rand)  # (1, L, HV) in (0, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    with torch.enable_grad():
+        delta_rule(q, k, v, g, beta, plan(layout, m.conv_kernel_size)).float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    print0(
+        f"linear attention: {kernel.__module__}.{kernel.__name__} tuned for this model's shapes in {seconds:.1f}s "
+        "before step 1 (its choices kept in Triton's cache directory, TRITON_CACHE_DIR, for later runs)"
+    )
+    return seconds
 
 
 @functools.cache

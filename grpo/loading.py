@@ -53,12 +53,28 @@ def unsupported_model(path: str, needs_experts: str | None = None) -> str | None
         problem = f"{needs_experts} routed experts; a {model_type} model has none"
     if problem or not os.path.isdir(path):
         return problem
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path))
+        model = AutoModelForImageTextToText.from_config(transformers_config(path))
     _keep_checkpoint_renaming(model, path)
     return tensor_name_problem(model, path) or processor_problem(path, family(model).image_side)
+
+
+def transformers_config(path):
+    """The checkpoint's config in transformers' own class for its model_type, whatever AutoConfig has been given
+    since. vLLM 0.26 registers config classes of its own for qwen3_5 and qwen3_5_moe with AutoConfig when its engine
+    reads such a checkpoint (transformers_utils/config.py: _CONFIG_REGISTRY, lines 126-127; AutoConfig.register(...,
+    exist_ok=True), line 162), and the engine starts before the trainer loads its model. Their vision config keeps
+    `num_heads` only, from which transformers 5.19's Qwen3.5 tower cannot be built (its rotary embedding reads
+    num_attention_heads: "'Qwen3_5VisionConfig' object has no attribute 'num_attention_heads'")."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path)
+    own = getattr(transformers, CONFIG_MAPPING_NAMES.get(config.model_type, ""), None)
+    return config if own is None or type(config) is own else own.from_pretrained(path)
 
 
 def load_model(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, meta=False):
@@ -67,10 +83,10 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
     weight read, no memory taken; load_sharded then shards it and reads only this rank's part of each weight. A
     checkpoint whose tensors are not exactly the model's (missing or unexpected ones, the model's own ignore list
     aside) is an error either way: never a half-random model."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
     attn_implementation = resolve_attention(attn_implementation, device)
-    config = AutoConfig.from_pretrained(path)  # (a hub model's config.json is downloaded here, if it was not cached)
+    config = transformers_config(path)  # (a hub model's config.json is downloaded here, if it was not cached)
     problem = unsupported_type(config.model_type)  # never load it into another class with weights left random
     if problem:
         raise ValueError(f"{path}: {problem}")
@@ -85,7 +101,9 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
             pass
         _keep_checkpoint_renaming(model, path)
     else:
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation
+        )
         if family(model).moe:  # from_pretrained converted the experts; keep how they lie in the files, for the export
             _keep_checkpoint_renaming(model, path)
     problem = tensor_name_problem(model, path)

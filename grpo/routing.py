@@ -171,14 +171,17 @@ def record_routes(engine, model, prompts, samples) -> int:
 
 def hf_routing(model, prompts, answers) -> list[torch.Tensor]:
     """The trainer's model's routes over prompt + answer, one no-grad forward for all (every rank joins it, with a
-    filler sequence of its own if it has none to record: FSDP2's forwards are collectives)."""
+    filler sequence of its own if it has none to record: FSDP2's forwards are collectives; the filler's routes are
+    dropped). A rank whose samples all came whole from generate has nothing to record while another, with a tool
+    turn or a carried answer, has."""
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     have = torch.tensor([len(prompts)])
     if dist.is_initialized():
         dist.all_reduce(have, op=dist.ReduceOp.MAX)
     if not have.item():
         return []
-    if not prompts:
-        raise RuntimeError("routing replay: a rank without samples to record while another has some")
+    if not prompts:  # one pad token answered by one: a text-only forward (the tower's dummy pass keeps it in step)
+        trainer_routing(model, [Prompt(torch.tensor([pad_id]), None, None, [])], [[pad_id]], pad_id)
+        return []
     rows, _ = trainer_routing(model, prompts, answers, pad_id)
     return rows

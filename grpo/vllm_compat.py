@@ -29,6 +29,17 @@ def processor_normalization() -> dict:
     return {"mm_device_do_normalize": False} if "mm_device_do_normalize" in engine_args() else {}
 
 
+def gdn_prefill(linear_attention: bool) -> dict:
+    """`LLM(...)` arguments for a model with gated-delta-net layers (Qwen3.5) on CUDA: vLLM's Triton prefill kernel.
+    Left at "auto", vLLM 0.26 to 0.33 pick FlashInfer's GDN prefill on SM90 (H100, H200) without checking that
+    flashinfer is there (model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend), and
+    import flashinfer.gdn_prefill only at the first prefill: an install without flashinfer (an offline vLLM 0.26)
+    passes the engine's start, whose warm-up logs the error and goes on, and fails at the first rollout; with
+    flashinfer (0.32/0.33) the kernel is JIT-compiled at that first prefill. Triton's needs nothing beyond vLLM. The
+    argument (EngineArgs.gdn_prefill_backend, into additional_config) is passed only where EngineArgs has it."""
+    return {"gdn_prefill_backend": "triton"} if linear_attention and "gdn_prefill_backend" in engine_args() else {}
+
+
 def skip_engine_teardown(llm) -> None:
     """At exit vLLM 0.32/0.33's in-process client runs a weakref finalizer that shuts the engine core down and tears
     torch.distributed down a second time, after main() did (an ignored traceback); the process is exiting anyway, so
@@ -132,20 +143,30 @@ def model_runner_environment() -> None:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
-def captures_routes(on_cuda: bool) -> bool:
+def captures_routes(on_cuda: bool, tensor_parallel_size: int = 1) -> bool:
     """Whether this vLLM returns each request's routed experts (LLM(enable_return_routed_experts=True),
     CompletionOutput.routed_experts [tokens, layers, top_k]) under the model runner the trainer runs. 0.26 captures
     them in the V1 runner (gpu_worker: init_routed_experts_capturer after the KV cache; its slot buffer is written
     inside the model, CUDA graphs included); 0.32 and 0.33 only in Model Runner V2 (AuxOutputConfig; the config
     check refuses it under V1, and asks for prefix caching), so there only where the user set
-    VLLM_USE_V2_MODEL_RUNNER=1 (model_runner_environment). Off CUDA never: the CPU builds run the V1 runner, and the
-    0.26 capturer's buffers are the GPU worker's."""
+    VLLM_USE_V2_MODEL_RUNNER=1 (model_runner_environment), and only without tensor parallelism: there the first TP
+    rank's worker alone produces the routes (distributed/aux_output_connector/worker.py, 0.32 and 0.33 line 112:
+    `if not get_tp_group().is_first_rank: return`), while under the external launcher every rank runs a scheduler
+    of its own, which asserts that its requests' routes are there (connector.py take_output, 0.32 line 112, 0.33
+    line 193): the other ranks would stop at the first step. Off CUDA never: the CPU builds run the V1 runner, and
+    the 0.26 capturer's buffers are the GPU worker's."""
     if not on_cuda or "enable_return_routed_experts" not in engine_args():
         return False
+    if not v2_only_capture():
+        return True
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and tensor_parallel_size == 1
+
+
+def v2_only_capture() -> bool:
+    """Whether this vLLM captures routed experts in Model Runner V2 only (0.32, 0.33: vllm.config.AuxOutputConfig)."""
     import vllm.config
 
-    v2_only = hasattr(vllm.config, "AuxOutputConfig")  # 0.32, 0.33
-    return not v2_only or os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+    return hasattr(vllm.config, "AuxOutputConfig")
 
 
 def budget_reads_modality_kwargs() -> bool:

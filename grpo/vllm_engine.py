@@ -109,7 +109,8 @@ class VLLMEngine:
                   "trainer computes in fp32 (rollout/logprob_diff_mean shows the gap)")  # fmt: skip
         max_model_len = d.max_prompt_length + d.max_response_length
         if on_cuda:
-            platform = {"gpu_memory_utilization": r.gpu_memory_utilization}
+            platform = {"gpu_memory_utilization": r.gpu_memory_utilization, **vllm_compat.gdn_prefill(
+                family.linear_attention)}  # fmt: skip
         else:
             platform = {
                 # on CPU a utilization would be a share of the host's RAM: size the KV cache explicitly
@@ -148,12 +149,13 @@ class VLLMEngine:
         # during a re-prefill of each finished sequence (routing.record_routes), which only an eager engine runs
         self.route_dtype = replay.route_dtype(family_config(cfg.actor.model_path).num_experts) if (
             cfg.algorithm.routing_replay == "r3") else None  # fmt: skip
-        self.capture_routes = self.route_dtype is not None and vllm_compat.captures_routes(on_cuda)
+        self.capture_routes = self.route_dtype is not None and vllm_compat.captures_routes(on_cuda, self.tp)
         if self.route_dtype is not None and not self.capture_routes and on_cuda and not r.enforce_eager:
             raise ValueError(
-                "algorithm.routing_replay=r3: this vLLM returns no routed experts under the V1 model runner (0.32 and "
-                "0.33 capture them in Model Runner V2 only), so the engine's routes are read by hooks on its "
-                "routers, which CUDA graphs do not run: set rollout.enforce_eager=true, or VLLM_USE_V2_MODEL_RUNNER=1"
+                "algorithm.routing_replay=r3: this vLLM returns no routed experts under the V1 model runner, nor "
+                "under tensor parallelism (0.32 and 0.33 capture them in Model Runner V2 only, on the first TP rank "
+                "only), so the engine's routes are read by hooks on its routers, which CUDA graphs do not run: set "
+                "rollout.enforce_eager=true, or VLLM_USE_V2_MODEL_RUNNER=1 with rollout.tensor_parallel_size=1"
             )
         if self.capture_routes:
             platform["enable_return_routed_experts"] = True

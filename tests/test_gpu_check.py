@@ -81,12 +81,77 @@ def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
     assert gpu_check.build_model(str(tmp_path), "qwen3_vl_moe")[0] == counts["total"]
 
 
+def test_gpu_check_builds_the_real_qwen3_5_35b_a3b_shape(tmp_path):
+    """Guards against a Qwen3.5-MoE check that measures some other model: --family qwen3_5_moe's config must give
+    Qwen3.5-35B-A3B's parameter count (35.11 B, memory_plan's known shape, as transformers loads it) with 256 experts
+    a layer, 8 routed, in all 40 layers, 30 of them linear attention."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from grpo.memory_plan import KNOWN_SHAPES, count_params
+
+    gpu_check = load_gpu_check()
+    config = gpu_check.qwen3_5_35b_a3b_config(gpu_check.real_size_tokenizer("qwen3_5_moe"))
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(config)
+    counts = count_params(KNOWN_SHAPES["Qwen/Qwen3.5-35B-A3B"])
+    assert sum(p.numel() for p in model.parameters()) == counts["total"] > 35.1e9
+    assert sum(p.numel() for p in model.model.visual.parameters()) == counts["vision"]
+    layers = model.model.language_model.layers
+    assert [layer.mlp.experts.gate_up_proj.shape[0] for layer in layers] == [256] * 40
+    assert sum(hasattr(layer, "linear_attn") for layer in layers) == 30 and config.text_config.num_experts_per_tok == 8
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert gpu_check.build_model(str(tmp_path), "qwen3_5_moe")[0] == counts["total"]
+
+
+# the lent GPU machine: its disk and its host memory, GiB
+LENT_DISK_GIB, LENT_HOST_GIB = 64, 128
+
+
+@pytest.mark.parametrize(("family", "known", "layers"), [("qwen3_vl_moe", "Qwen/Qwen3-VL-30B-A3B-Instruct", 12),
+                                                         ("qwen3_5_moe", "Qwen/Qwen3.5-35B-A3B", 8)])  # fmt: skip
+def test_gpu_check_layers_make_an_moe_shape_that_fits_the_lent_machine(tmp_path, family, known, layers):
+    """Guards against an MoE check that cannot run on the machine lent for it (64 GiB disk, 128 GiB host memory):
+    whole, Qwen3-VL-30B-A3B's bf16 checkpoint is 57.9 GiB and Qwen3.5-35B-A3B's 65.4 GiB, which the check refuses to
+    write there; with --layers N the shape is its first N layers, each layer, the vocabulary and the tower exactly
+    the real ones (memory_plan's count of the known shape with N layers), and fits with room, LoRA's pinned host copy
+    included. Layer counts that Qwen3.5's 3:1 pattern does not take, or that the shape has not, stop at the command
+    line."""
+    import dataclasses
+
+    from grpo.memory_plan import KNOWN_SHAPES, count_params
+
+    gpu_check = load_gpu_check()
+    whole = KNOWN_SHAPES[known]
+    full_gib = gpu_check.checkpoint_gib(family)
+    assert full_gib == pytest.approx(2 * count_params(whole)["total"] / 2**30)
+    problem = gpu_check.machine_problem(full_gib, LENT_DISK_GIB, LENT_HOST_GIB, lora=True)
+    assert problem and "disk" in problem
+    linear = whole.linear_layers * layers // whole.layers
+    reduced = count_params(dataclasses.replace(whole, layers=layers, linear_layers=linear))["total"]
+    args = gpu_check.parse_args(["--family", family, "--lora", "--layers", str(layers)])
+    gib = gpu_check.checkpoint_gib(family, args.layers)
+    assert gib == pytest.approx(2 * reduced / 2**30) and gib < 17
+    assert gpu_check.machine_problem(gib, LENT_DISK_GIB, LENT_HOST_GIB, lora=True) is None
+    assert "host memory" in gpu_check.machine_problem(gib, 4 * LENT_DISK_GIB, 1.5 * gib, lora=True)
+    assert gpu_check.machine_problem(gib, 4 * LENT_DISK_GIB, 1.5 * gib, lora=False) is None  # level 2: no host copy
+    gpu_check.write_config_only(str(tmp_path), family, args.layers)  # what the memory plan reads
+    assert AutoConfig.from_pretrained(tmp_path).get_text_config().num_hidden_layers == layers
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert gpu_check.build_model(str(tmp_path), family, args.layers)[0] == reduced
+    path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
+    check_config(load_config(path, overrides), world_size=1)
+    for bad in (["--layers", "49"], ["--family", "qwen3_5_moe", "--lora", "--layers", "6"], ["--family", family]):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(["--family", family, "--lora", *bad] if bad[0] == "--layers" else bad)
+
+
 def test_gpu_check_command_line_is_a_valid_config(tmp_path):
     """Guards against overrides that the trainer rejects (a renamed key, a batch that does not divide) surfacing
     only after minutes of model building on a GPU."""
     gpu_check = load_gpu_check()
     for argv in ([], ["--engine", "hf", "--prompts", "8", "--n", "4", "--ref-offload"], ["--lora"],
                  ["--family", "qwen3_5", "--lora"], ["--family", "qwen3_vl_moe", "--lora"],
+                 ["--family", "qwen3_5_moe", "--lora", "--layers", "8"],
                  ["--set", "actor.ref_offload=true", "--set", "data.max_response_length=64"]):  # fmt: skip
         args = gpu_check.parse_args(argv)
         path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
@@ -96,13 +161,14 @@ def test_gpu_check_command_line_is_a_valid_config(tmp_path):
         assert cfg.actor.max_tokens_per_micro_batch > 0 and cfg.actor.padding_free  # the packed path is what runs
         assert not cfg.trainer.export_hf  # no 15 GB fp32 export written for nothing
         assert cfg.actor.lora_rank == (8 if args.lora else 0) and cfg.trainer.n_gpus_per_node == 1
-        assert cfg.rollout.gpu_memory_utilization == {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5}.get(args.family, 0.2)
+        share = {"qwen3_5": 0.4, "qwen3_vl_moe": 0.5, "qwen3_5_moe": 0.5}.get(args.family, 0.2)
+        assert cfg.rollout.gpu_memory_utilization == share
         assert cfg.rollout.enforce_eager is False  # CUDA graphs on, as a real run has them
     assert cfg.actor.ref_offload and cfg.data.max_response_length == 64  # --set comes last, and wins
     args = gpu_check.parse_args(["--enforce-eager"])
     path, *overrides = gpu_check.trainer_argv(str(tmp_path / "m"), str(tmp_path / "d"), str(tmp_path / "o"), args)
     assert load_config(path, overrides).rollout.enforce_eager
-    for family in ("qwen3_5", "qwen3_vl_moe"):  # full fine-tuning: 140 and 460 GiB of fp32 state before the rest
+    for family in ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"):  # full fine-tuning: 140, 460, 520 GiB of fp32 state
         with pytest.raises(SystemExit):
             gpu_check.parse_args(["--family", family])
     # another recipe keeps its precision, offloading, tower and vLLM share; the check's batch and steps still apply

@@ -204,3 +204,37 @@ def test_plan_of_a_short_prompt():
     assert p.cu_first[1].tolist() == [0, 2, 4] and p.cu_second[1].tolist() == [0, 3, 4]
     assert p.state_index.tolist() == [1, 1] and p.unpermute.tolist() == list(range(8))
     assert linear_attention.plan(layout, 4) is p  # built once per micro-batch, shared by every layer
+
+
+def test_warm_up_tunes_the_kernel_before_step_one_and_says_how_long(monkeypatch, capsys, tiny_family_dir):
+    """Guards against fla's first-call tuning (minutes on an H100: fla 0.6.0 ships no tuned configurations) falling
+    unnamed inside the first step: the warm-up calls the kernel both ways the packed forward does (plain sequences
+    keeping their states, answers starting from them) at the model's own head counts and dimensions, runs the
+    backward too (whose kernels tune as well), and prints the seconds it took; with the torch reference (CPU, no fla)
+    or a model without linear attention, which tune nothing, it does nothing."""
+    path = tiny_family_dir("qwen3_5")
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    m = next(layer.linear_attn for layer in model.model.language_model.layers if hasattr(layer, "linear_attn"))
+    assert linear_attention.warm_up(model, torch.device("cpu")) is None  # by_sequence: nothing tunes
+    assert capsys.readouterr().out == ""
+    calls, shapes = [], []
+    fla = fla_stand_in(calls)
+
+    def kernel(q, k, v, g, beta, **kwargs):
+        shapes.append((q.shape[2:], v.shape[2:], q.dtype, g.dtype))
+        out = fla(q, k, v, g, beta, **kwargs)
+        out[0].register_hook(lambda grad: calls.append("backward"))
+        return out
+
+    monkeypatch.setattr(linear_attention, "delta_rule_kernel", lambda device_type: kernel)
+    seconds = linear_attention.warm_up(model, torch.device("cpu"))
+    assert seconds > 0
+    forward = [{"sequences": 2, "tokens": 160, "initial": False, "final": True},
+               {"sequences": 1, "tokens": 32, "initial": True, "final": False}]  # fmt: skip
+    assert calls == [*forward, "backward", "backward"]
+    heads = m.num_v_heads
+    assert shapes == [((heads, m.head_k_dim), (heads, m.head_v_dim), torch.float32, torch.float32)] * 2
+    out = capsys.readouterr().out
+    assert f"tuned for this model's shapes in {seconds:.1f}s before step 1" in out
+    dense = loading.load_model(tiny_family_dir("qwen2_5_vl"), torch.device("cpu"), "sdpa")
+    assert linear_attention.warm_up(dense, torch.device("cpu")) is None

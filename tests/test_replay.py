@@ -9,6 +9,7 @@ import torch
 from transformers import AutoProcessor
 
 from grpo import batching, loading, logprobs, moe, replay, routing
+from tests.launch import spawn_ranks
 from tests.test_moe import MOE_FAMILIES
 from tests.test_packing import _mixed_batch
 
@@ -236,6 +237,41 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
     assert vllm_compat.captures_routes(on_cuda=True)
 
 
+def test_replay_under_model_runner_v2_and_tensor_parallelism_takes_the_hooks_or_stops_at_the_check(monkeypatch):
+    """Guards against a first step that stops on every rank but the first: vLLM 0.32/0.33 (AuxOutputConfig) capture
+    the routes in Model Runner V2 on the first TP rank's worker only, and under the external launcher each rank's
+    scheduler asserts its requests' routes are there. At TP 2 the engine reads them by its routers' hooks instead, and
+    with CUDA graphs on (which do not run hooks) the config check, the dry run's, stops naming the keys. On 0.26
+    (no AuxOutputConfig) the V1 runner's capture is kept."""
+    import vllm.config
+
+    from grpo import vllm_compat
+    from grpo.config import ConfigError
+    from train_grpo import check_config, load_config
+
+    def config(*extra):
+        return load_config(None, ["rollout.engine=vllm", "algorithm.routing_replay=r3", "actor.global_batch_size=8",
+                                  "data.rollout_batch_size=8", *extra])  # fmt: skip
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(vllm.config, "AuxOutputConfig", getattr(vllm.config, "AuxOutputConfig", object), raising=False)
+    assert vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=1)
+    assert not vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError) as stop:
+        check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+    for key in ("algorithm.routing_replay=r3", "rollout.tensor_parallel_size=2", "VLLM_USE_V2_MODEL_RUNNER=1",
+                "rollout.enforce_eager=true"):  # fmt: skip
+        assert key in str(stop.value)
+    check_config(config("rollout.tensor_parallel_size=2", "rollout.enforce_eager=true"), world_size=2)  # the hooks
+    check_config(config("rollout.tensor_parallel_size=1"), world_size=2)  # vLLM's capture on the only rank
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # V1: no capture; vllm_engine asks for eager at start
+    check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.delattr(vllm.config, "AuxOutputConfig")  # 0.26: its V1 runner's capture
+    assert vllm_compat.captures_routes(on_cuda=True, tensor_parallel_size=2)
+    check_config(config("rollout.tensor_parallel_size=2"), world_size=2)
+
+
 def test_hf_engine_records_the_routes_of_its_generate(tiny_family_dir):
     """Guards against the HF engine's record shifted against its tokens (the left pads of a batch's prompts, the
     decode steps after the prefill, rows that finished early and go on stepping): the routes it records while
@@ -263,3 +299,38 @@ def test_hf_engine_records_the_routes_of_its_generate(tiny_family_dir):
         differ += int((s.routes[:-1].long().sort(-1).values != o[:-1].sort(-1).values).any(-1).sum())
         total += o[:-1].shape[0] * o.shape[1]
     assert differ <= 0.01 * total, (differ, total)  # a near tie may tip between a decode step and one forward
+
+
+def _hf_routing_on_two_ranks(rank, path, out):
+    """Rank 0 records the routes of two image prompts' answers, rank 1 has none to record (its answers came whole
+    from generate), on one FSDP2-sharded model."""
+    import torch.distributed as dist
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    loading.apply_fsdp(model, torch.device("cpu"))
+    loading.root_forward(model, processor.tokenizer.pad_token_id)
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    mine = ([prompts[0], prompts[2]], [responses[0], responses[2]]) if rank == 0 else ([], [])
+    out[rank] = routing.hf_routing(model, *mine)
+    dist.barrier()
+
+
+def test_hf_routing_joins_the_forward_on_a_rank_without_samples(tiny_family_dir):
+    """Guards against the HF engine's routing replay stopping (or hanging) when one rank has answers to record (a
+    tool turn, a carried answer) and another has none: FSDP2's forward is a collective every rank must join, so the
+    rank without runs a filler sequence and returns nothing, and the rank with gets the routes one unsharded forward
+    gives."""
+    import torch.multiprocessing as mp
+
+    path = tiny_family_dir("qwen3_vl_moe")
+    out = mp.Manager().dict()
+    spawn_ranks(_hf_routing_on_two_ranks, path, out)
+    assert out[1] == []
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    prompts, responses = _mixed_batch(processor, model.config.image_token_id)
+    want = routing.hf_routing(model, [prompts[0], prompts[2]], [responses[0], responses[2]])
+    assert len(out[0]) == 2
+    for got, w in zip(out[0], want, strict=True):
+        assert got.shape == w.shape and torch.equal(got.sort(-1).values, w.sort(-1).values)

@@ -243,6 +243,76 @@ def test_cuda_engine_runs_the_model_runner_the_cpu_lanes_test(monkeypatch, tiny_
     assert built.value.args[0] == dict.fromkeys(built.value.args[0], v2)
 
 
+# EngineArgs.gdn_prefill_backend, the values each version takes (engine/arg_utils.py: 0.26.0 line 737, 0.32.0 line
+# 850, 0.33.0 line 872); None: a build without the field
+GDN_PREFILL_BACKENDS = {
+    "0.26": ("flashinfer", "triton", "cutedsl"),
+    "0.32": ("flashinfer", "triton", "cutedsl", "aiter_flydsl"),
+    "0.33": ("flashinfer", "triton", "cutedsl", "aiter_flydsl", "sycl"),
+    "without the field": None,
+}
+
+
+def gdn_prefill_on_sm90(kwargs: dict, backends) -> str:
+    """The gated-delta-net prefill kernel vLLM 0.26 to 0.33 run on an H100/H200 for LLM(**kwargs): EngineArgs raises
+    TypeError on an argument it lacks; create_engine_config copies gdn_prefill_backend, when given, into
+    additional_config; qwen_gdn_linear_attn.py _resolve_gdn_prefill_backend reads it there ("auto" when absent) and,
+    on SM90 (device capability 90), takes flashinfer for "flashinfer" or "auto", else what was asked (triton)."""
+    if backends is None and "gdn_prefill_backend" in kwargs:
+        raise TypeError("EngineArgs.__init__() got an unexpected keyword argument 'gdn_prefill_backend'")
+    additional = {}
+    if kwargs.get("gdn_prefill_backend") is not None:
+        assert kwargs["gdn_prefill_backend"] in backends
+        additional["gdn_prefill_backend"] = kwargs["gdn_prefill_backend"]
+    backend = str(additional.get("gdn_prefill_backend", "auto")).strip().lower()
+    return "flashinfer" if backend in ("flashinfer", "auto") else backend
+
+
+@pytest.mark.parametrize("version", list(GDN_PREFILL_BACKENDS))
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen2_5_vl"])
+def test_qwen3_5_engine_takes_the_triton_prefill_on_cuda(monkeypatch, tiny_family_dir, family, version):
+    """Guards against Qwen3.5's first rollout on an H100 or H200 failing in FlashInfer's GDN prefill (vLLM picks it
+    on SM90 without checking that flashinfer is installed, and imports it only at the first prefill; where it is
+    installed it is compiled then), and against an argument that a vLLM build without the field refuses. VLLMEngine
+    is started as on a CUDA node with a stand-in LLM and EngineArgs that take exactly each version's arguments."""
+    import torch
+    import torch.distributed as dist
+    import vllm
+    import vllm.engine.arg_utils
+    from transformers import AutoProcessor
+
+    import train_grpo
+    from grpo.vllm_engine import VLLMEngine
+
+    backends = GDN_PREFILL_BACKENDS[version]
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(vllm.engine.arg_utils.EngineArgs)]
+    fields = [f for f in fields if f[0] != "gdn_prefill_backend"]
+    if backends is not None:
+        fields.append(("gdn_prefill_backend", str | None, dataclasses.field(default=None)))
+    monkeypatch.setattr(vllm.engine.arg_utils, "EngineArgs", dataclasses.make_dataclass("EngineArgs", fields))
+
+    class Built(Exception):
+        pass
+
+    def llm(**kwargs):
+        raise Built(kwargs, gdn_prefill_on_sm90(kwargs, backends))
+
+    path = tiny_family_dir(family)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(vllm, "LLM", llm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    overrides = ["rollout.max_images_per_prompt=1", "rollout.max_videos_per_prompt=0"]
+    cfg = train_grpo.load_config(None, ["rollout.engine=vllm", f"actor.model_path={path}", *overrides])
+    with pytest.raises(Built) as built:
+        VLLMEngine(cfg, AutoProcessor.from_pretrained(path))
+    kwargs, prefill = built.value.args
+    if family == "qwen3_5" and backends is not None:
+        assert kwargs["gdn_prefill_backend"] == "triton" and prefill == "triton"
+    else:  # nothing to choose (a dense model), or nothing to choose with (the build has no such argument)
+        assert "gdn_prefill_backend" not in kwargs
+
+
 # vLLM's reload reports the engine's parameters a sync did not send from this logger: 0.26 in its model runner
 # (v1/worker/gpu_model_runner.py reload_weights), 0.32/0.33 in model_loader/reload/inplace.py reload_weights
 NOT_LOADED_LOGGER = {
@@ -441,3 +511,70 @@ def test_torch_cpu_linear_turns_vllms_onednn_dispatch_off_for_its_span_only():
         assert ops._supports_onednn is False
         raise RuntimeError("reload failed")
     assert ops._supports_onednn == before
+
+
+def _vllm026_qwen3_5_config():
+    """vLLM 0.26's own Qwen3_5Config (transformers_utils/configs/qwen3_5.py), which its engine registers with
+    transformers' AutoConfig: the class itself where this vLLM has it, else a stand-in of its exact structure (a
+    vision config of its own fields, with `num_heads` and without `num_attention_heads`)."""
+    try:
+        from vllm.transformers_utils.configs.qwen3_5 import Qwen3_5Config
+
+        return Qwen3_5Config
+    except ImportError:
+        pass
+    from transformers import PretrainedConfig, Qwen3_5TextConfig
+
+    class Qwen3_5VisionConfig(PretrainedConfig):
+        model_type = "qwen3_5"
+        base_config_key = "vision_config"
+
+        def __init__(self, depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
+                     num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                     out_hidden_size=3584, num_position_embeddings=2304, initializer_range=0.02, **kwargs):  # fmt: skip
+            super().__init__(**kwargs)
+            self.depth, self.hidden_size, self.hidden_act = depth, hidden_size, hidden_act
+            self.intermediate_size, self.num_heads, self.in_channels = intermediate_size, num_heads, in_channels
+            self.patch_size, self.spatial_merge_size = patch_size, spatial_merge_size
+            self.temporal_patch_size, self.out_hidden_size = temporal_patch_size, out_hidden_size
+            self.num_position_embeddings, self.initializer_range = num_position_embeddings, initializer_range
+
+    class Qwen3_5Config(PretrainedConfig):
+        model_type = "qwen3_5"
+        sub_configs = {"vision_config": Qwen3_5VisionConfig, "text_config": Qwen3_5TextConfig}
+
+        def __init__(self, text_config=None, vision_config=None, image_token_id=248056, video_token_id=248057,
+                     vision_start_token_id=248053, vision_end_token_id=248054, tie_word_embeddings=False,
+                     **kwargs):  # fmt: skip
+            self.vision_config = Qwen3_5VisionConfig(**(vision_config or {}))
+            self.text_config = Qwen3_5TextConfig(**(text_config or {}))
+            self.image_token_id, self.video_token_id = image_token_id, video_token_id
+            self.vision_start_token_id, self.vision_end_token_id = vision_start_token_id, vision_end_token_id
+            super().__init__(**kwargs)
+            self.tie_word_embeddings = tie_word_embeddings
+
+    return Qwen3_5Config
+
+
+def test_the_trainer_builds_qwen3_5_from_transformers_own_config_after_vllm_026_registered_its(
+    monkeypatch, tiny_family_dir
+):
+    """Guards against Qwen3.5 on vLLM 0.26 with transformers 5.19 (the set a torch 2.11 GPU machine can run Qwen3.5
+    with) stopping as the trainer loads its model: the engine, started first, has registered vLLM 0.26's own config
+    class for qwen3_5 with AutoConfig (transformers_utils/config.py, AutoConfig.register(exist_ok=True)), from which
+    transformers' tower cannot be built. The trainer's model, whole and on the meta device, is built from
+    transformers' own class all the same."""
+    import torch
+    from transformers import AutoConfig, Qwen3_5Config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from grpo import loading
+
+    path = tiny_family_dir("qwen3_5")
+    monkeypatch.setattr(CONFIG_MAPPING, "_extra_content", dict(CONFIG_MAPPING._extra_content))
+    AutoConfig.register("qwen3_5", _vllm026_qwen3_5_config(), exist_ok=True)
+    assert type(AutoConfig.from_pretrained(path)) is not Qwen3_5Config  # as after vLLM 0.26's engine start
+    for meta in (False, True):
+        model = loading.load_model(path, torch.device("cpu"), "sdpa", meta=meta)
+        assert type(model.config) is Qwen3_5Config and model.config._attn_implementation == "sdpa_packed"
+    assert loading.tensor_name_problem(model, path) is None
