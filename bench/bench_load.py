@@ -7,7 +7,7 @@
 - bf16_offload: the same with actor.master_dtype=bf16 and actor.offload_params / offload_optimizer, then the
   optimizer and the offload's hold as the trainer makes them at load (the host arenas come at the first rollout).
 
-Both include the first root forward of each model (root_forward), as the trainer does. Then each exports the policy
+Each includes the first root forward of each model (root_forward), as the trainer does. Then each exports the policy
 with its own save_hf (old: the full state dict gathered on rank 0, then save_pretrained; new: checkpoint.save_hf).
 
 The ranks run with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so that a freed block goes back
