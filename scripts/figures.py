@@ -1,8 +1,8 @@
 """Rerun the CPU figures of the README's headline table and set each beside the README's value.
 
     .venv/bin/python scripts/figures.py            # every CPU figure: about an hour on 2 cores
-    .venv/bin/python scripts/figures.py --quick    # those that fit in 20 minutes (the demos of 30 steps, the benches
-                                                   # of memory and grading)
+    .venv/bin/python scripts/figures.py --quick    # those that fit in 20 minutes (10 here): the demos of 30 steps,
+                                                   # the benches of memory and grading
     .venv/bin/python scripts/figures.py --only load,grading   # the runs named (RUNS' keys)
 
 FIGURES is the one table: each row a figure, the run that measures it (RUNS: a function that runs the command and

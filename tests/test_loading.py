@@ -3,7 +3,6 @@ device, shards it and reads each rank's rows from the safetensors; checkpoint.sa
 must give exactly what from_pretrained and save_pretrained give."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch.distributed as dist
 
 from grpo import loading, logprobs, lora
 from grpo.config import ActorConfig
-from tests.launch import free_port, torchrun
+from tests.launch import REPO, free_port, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +94,7 @@ def test_loading_holds_a_ranks_shards_and_one_gathered_unit_at_a_time():
     the same to 0.003 run to run. Measured, worst rank, x the fp32 model: 2.04 full fine-tuning, 1.79 with bf16
     masters and offloading (the policy alone 0.69 and 0.44); with the tower's all-gather 2.70 and 2.45."""
     cmd = [sys.executable, "bench/bench_load.py", "--ranks", "2", "--layers", "2", "--variants", "new,bf16_offload"]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     peaks = json.loads(out.stdout.strip().splitlines()[-1])  # x the fp32 model, growth of the worst rank's peak
     assert peaks["new_load_peak_x"] <= 2.15 and peaks["bf16_offload_load_peak_x"] <= 1.9, peaks
