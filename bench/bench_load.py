@@ -4,8 +4,10 @@
   then the reference), as the loader did before it read shards.
 - new: loading.load_policy_and_reference: built on the meta device, sharded, each rank reading only its rows of
   each weight from the safetensors; the reference in the compute dtype.
+- bf16_offload: the same with actor.master_dtype=bf16 and actor.offload_params / offload_optimizer, then the
+  optimizer and the offload's hold as the trainer makes them at load (the host arenas come at the first rollout).
 
-Both include the first root forward of each model (root_forward), as the trainer does. Then each exports the policy
+Each includes the first root forward of each model (root_forward), as the trainer does. Then each exports the policy
 with its own save_hf (old: the full state dict gathered on rank 0, then save_pretrained; new: checkpoint.save_hf).
 
 The ranks run with glibc's mmap threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_), so that a freed block goes back
@@ -20,6 +22,7 @@ forward all-gathers them whole. Each variant runs under its own torchrun; each r
 reset just before loading) minus its resident set then is reported as a multiple of the fp32 model size.
 
     .venv/bin/python bench/bench_load.py            # CPU, 8 ranks: about 3 minutes and 10 GB on 2 cores
+    .venv/bin/python bench/bench_load.py --ranks 2 --layers 2 --variants new,bf16_offload   # tests/test_loading.py
 
 The last line of output is one JSON object with the results.
 """
@@ -38,6 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from grpo import attention, checkpoint, loading  # noqa: E402
 from grpo.distributed import exit_rank  # noqa: E402
+
+VARIANTS = ("old", "new", "bf16_offload")
+# what each variant of the new loader sets in the actor section
+ACTOR = {"new": {}, "bf16_offload": {"master_dtype": "bf16", "offload_params": True, "offload_optimizer": True}}
 
 
 def build_checkpoint(out_dir, layers):
@@ -132,9 +139,14 @@ def run_rank(args):
         model, _ = old_load(args.model, device)
     else:
         from grpo.config import ActorConfig
+        from grpo.offload import TrainerOffload
+        from grpo.optim import make_optimizer
 
-        actor = ActorConfig(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False)
-        model, _ = loading.load_policy_and_reference(actor, device, True, 0)
+        actor = ActorConfig(model_path=args.model, attn_implementation="sdpa", gradient_checkpointing=False,
+                            **ACTOR[args.variant])  # fmt: skip
+        model, ref = loading.load_policy_and_reference(actor, device, True, 0)
+        optimizer, _ = make_optimizer(model, actor)  # (AdamW's moments: at its first step)
+        TrainerOffload().hold(model, ref, optimizer, actor)
     load = [rss_bytes("VmHWM") - before, time.perf_counter() - t0, marks[0]]
     dist.barrier()
     before = reset_peak()
@@ -157,7 +169,8 @@ def main():
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--default-malloc", action="store_true", help="leave glibc's dynamic mmap threshold on")
-    p.add_argument("--variant", choices=["old", "new"], help=argparse.SUPPRESS)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"which to run, of {','.join(VARIANTS)}")
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--export", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -172,7 +185,7 @@ def main():
               f"{args.ranks} ranks, gloo | torch {torch.__version__} | {os.cpu_count()} CPUs | "
               f"malloc {'default' if args.default_malloc else 'mmap threshold 1 MiB'}")  # fmt: skip
         results = {}
-        for variant in ("old", "new"):
+        for variant in args.variants.split(","):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
                    __file__, "--variant", variant, "--model", os.path.join(tmp, "model"), "--export", tmp]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -187,18 +200,12 @@ def main():
             print(f"  {variant}: peak growth per rank, x the fp32 model: policy loaded {x['policy_peak'][1]:.2f}, "
                   f"policy + reference with root forwards {x['load_peak'][0]:.2f} - {x['load_peak'][1]:.2f} "
                   f"({max(r['load_seconds']):.1f} s), export {x['export_peak'][1]:.2f}")  # fmt: skip
-    old, new = results["old"], results["new"]
-    print(json.dumps({
-        "params": n_params, "fp32_mib": round(fp32 / 2**20, 1), "ranks": args.ranks,
-        "default_malloc": args.default_malloc,
-        "old_policy_peak_x": round(max(old["policy_peak"]) / fp32, 3),
-        "new_policy_peak_x": round(max(new["policy_peak"]) / fp32, 3),
-        "old_load_peak_x": round(max(old["load_peak"]) / fp32, 3),
-        "new_load_peak_x": round(max(new["load_peak"]) / fp32, 3),
-        "old_export_peak_x": round(max(old["export_peak"]) / fp32, 3),
-        "new_export_peak_x": round(max(new["export_peak"]) / fp32, 3),
-        "old_load_seconds": round(max(old["load_seconds"]), 1), "new_load_seconds": round(max(new["load_seconds"]), 1),
-    }))  # fmt: skip
+    summary = {"params": n_params, "fp32_mib": round(fp32 / 2**20, 1), "ranks": args.ranks,
+               "default_malloc": args.default_malloc}  # fmt: skip
+    for variant, r in results.items():  # the worst rank's
+        summary.update({f"{variant}_{k[:-5]}_peak_x": round(max(r[k]) / fp32, 3) for k in r if k.endswith("_peak")})
+        summary[f"{variant}_load_seconds"] = round(max(r["load_seconds"]), 1)
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -408,7 +408,8 @@ def add_vision_dummy(model):
             one_pass = one_vision_pass(model, images, kwargs["image_grid_thw"], videos, kwargs["video_grid_thw"])
             one_pass.__enter__()
             passes.append(one_pass)
-        if images is None and videos is None and kwargs.get("mm_encoder_outputs") is None and starts:
+        alike = getattr(module, "alike_on_every_rank", False)  # (without_vision_dummy)
+        if images is None and videos is None and kwargs.get("mm_encoder_outputs") is None and starts and not alike:
             pending.append(vision_dummy(model))
 
     def after(module, args, kwargs, out):
@@ -422,3 +423,16 @@ def add_vision_dummy(model):
 
     model.model.register_forward_pre_hook(before, with_kwargs=True)
     model.model.register_forward_hook(after, with_kwargs=True)
+
+
+@contextlib.contextmanager
+def without_vision_dummy(model):
+    """Within it, a forward without images or videos runs no dummy tower pass (add_vision_dummy). Only for a forward
+    that every rank makes with the same text-only inputs, so that no rank runs the tower and the collectives stay in
+    step without it: loading.root_forward's one token, where the pass would only all-gather the whole tower beside
+    the root's embedding and LM head (docs/memory.md, Loading and host memory)."""
+    model.model.alike_on_every_rank = True
+    try:
+        yield
+    finally:
+        del model.model.alike_on_every_rank
