@@ -256,7 +256,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     With algorithm.online_filtering (DAPO dynamic sampling, https://arxiv.org/abs/2503.14476) a prompt group whose
     mean `filter_key` is <= filter_low or >= filter_high (all wrong or all right: zero advantage) is dropped and more
     prompts are drawn, in rounds that every rank takes together (generation can be collective) until every rank has
-    a full batch. Returns (examples, prompts, samples, results, stats), epoch, position.
+    a full batch. Returns (examples, prompts, samples, results, stats: the rollout's StepStats), epoch, position.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     alg, r = cfg.algorithm, cfg.rollout
@@ -264,7 +264,9 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     params = rollout.SamplingParams(r.temperature, r.top_p, cfg.data.max_response_length)
     rounds = alg.max_filter_rounds if alg.online_filtering else 1
     examples, prompts, samples, results = [], [], [], []
-    stats = {"rollout/filtered_groups": 0.0, "rollout/prompts_drawn": 0.0}
+    stats = StepStats()  # the rollout's statistics, each reduced as its line says (grpo/stats.py)
+    if alg.online_filtering:
+        stats.count("rollout/filtered_groups", 0)  # (logged when no group was dropped too)
     timeouts_before = scorer.n_timeouts
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
@@ -283,12 +285,13 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
                 engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step, len(examples)
             )
         timings["time/generate"] += time.perf_counter() - t0
-        stats.update({k: stats.get(k, 0.0) + v for k, v in counts.items()})  # summed over the rounds
+        for key, value in counts.items():  # summed over the rounds, reduced by their modules (turns.py, partial.py)
+            stats[key] += value
         t0 = time.perf_counter()
         rows = [batch[s.prompt_index] for s in batch_samples]  # (the reward may ask for their columns)
         batch_results = scorer.score([s.text for s in batch_samples], [ex.answer for ex in rows], rows)
         timings["time/reward"] += time.perf_counter() - t0
-        stats["rollout/prompts_drawn"] += len(batch)
+        stats.count("rollout/prompts_drawn", len(batch))
         for g in range(len(batch)):
             group = batch_results[g * r.n : (g + 1) * r.n]
             if alg.online_filtering:
@@ -296,7 +299,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
                     raise ConfigError(f"algorithm.filter_key={alg.filter_key!r} is not a reward key: {list(group[0])}")
                 mean = sum(x[alg.filter_key] for x in group) / r.n
                 if mean <= alg.filter_low or mean >= alg.filter_high:
-                    stats["rollout/filtered_groups"] += 1
+                    stats.count("rollout/filtered_groups")
                     continue
             if len(examples) < need:
                 for s in batch_samples[g * r.n : (g + 1) * r.n]:
@@ -320,8 +323,9 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
             f"({alg.filter_key} mean in ({alg.filter_low}, {alg.filter_high})) after {rounds} rounds of {need} "
             f"prompts; raise algorithm.max_filter_rounds or widen filter_low/filter_high"
         )
-    stats["rollout/filter_rounds"] = round_ + 1.0
-    stats["reward/timeouts_step"] = float(scorer.n_timeouts - timeouts_before)  # however many score() calls it took
+    if alg.online_filtering:
+        stats.last("rollout/filter_rounds", round_ + 1)  # (every rank takes the same rounds)
+    stats.count("reward/timeouts_step", scorer.n_timeouts - timeouts_before)  # however many score() calls it took
     return (examples, prompts, samples, results, stats), epoch, position
 
 
@@ -467,7 +471,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             lengths = [len(p.input_ids) // share + len(s.response_ids) for p, s, *_ in items]
             # between the sequence-parallel groups: each rank with its peers at the same place in the other groups
             items, moved = balance_over_ranks(items, lengths, sequence_parallel.groups(sp)[1] if sp > 1 else None)
-        stats.count("actor/moved_sequences", moved)  # sent to another rank to even out the tokens
+        # sent to another rank to even out the tokens: balance_over_ranks returns all of the step's moves, every rank
+        stats.count("actor/moved_sequences", moved, per_rank=True)
         prompts = [it[0] for it in items]
         samples = [dataclasses.replace(it[1], prompt_index=j) for j, it in enumerate(items)]
         advantages = torch.stack([torch.as_tensor(it[2]) for it in items])  # (S,)
@@ -483,7 +488,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         num_tokens, num_seqs = totals[0].item() / sp, totals[1].item() / sp  # (each of a group's ranks counted them)
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free, shared)
-            stats.count("actor/micro_batches")  # forward/backward passes over the step's optimizer steps
+            # forward/backward passes over the step's optimizer steps: as many on every rank (the collectives agree)
+            stats.count("actor/micro_batches", per_rank=True)
             if not live:  # only here to keep the collectives in step: a zero mask zeroes its loss and every statistic
                 mask = torch.zeros_like(mask)
             if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
@@ -537,9 +543,9 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        stats.count("actor/skipped_steps", not stepped)
+        stats.count("actor/skipped_steps", not stepped, per_rank=True)  # (decided together)
         stats.last("actor/grad_norm", grad_norm.item())
-        stats.count("actor/optimizer_steps")
+        stats.count("actor/optimizer_steps", per_rank=True)
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -632,7 +638,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     from grpo.grading import equal_reward_groups
 
     world = dist.get_world_size()
-    _, prompts, samples, results, filter_stats = batch
+    _, prompts, samples, results, rollout_stats = batch
     n_updates = stats["actor/optimizer_steps"]
     lengths = [len(s.response_ids) for s in samples]
     sums = {
@@ -652,16 +658,12 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     metrics.update(stats.metrics(n_updates))  # the update's statistics, reduced as each was recorded (grpo/stats.py)
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths)), "host/rss_gb": release_host_memory()}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
-    # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
-    fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
-    fails["reward/timeouts"] = float(scorer.n_timeouts)
+    # grading failures of all ranks together, the run's so far (this step's timeouts: the rollout's statistics)
+    fails = {"reward/errors": float(scorer.n_errors), "reward/timeouts": float(scorer.n_timeouts)}
     metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
-    metrics.update(turns.step_metrics(filter_stats, samples))  # tool calls and faults, when tools are on
-    metrics.update(partial.step_metrics(filter_stats, samples))  # carried answers and their staleness, with partial
-    if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
-        rounds = filter_stats.pop("rollout/filter_rounds")
-        metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
-        metrics["rollout/filter_rounds"] = rounds
+    metrics.update(turns.step_metrics(rollout_stats, samples))  # tool calls and faults, when tools are on
+    metrics.update(partial.step_metrics(rollout_stats, samples))  # carried answers and their staleness, with partial
+    metrics.update(rollout_stats.metrics())  # the rest as recorded: prompts drawn, groups dropped, timeouts
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
     gen_tokens = metrics.get("rollout/partial_generated", gen_tokens)  # partial: sampled now, carried ones not again

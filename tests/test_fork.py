@@ -1,6 +1,7 @@
 """A researcher's fork, as one is written: a new advantage estimator added at the end of train_grpo.py's code and
-registered in ADVANTAGE_ESTIMATORS, and nothing else. It must compute, pass the config check and the dry run, and
-leave the docs' tests green: the suite checks behaviour, never the loop file's size."""
+registered in ADVANTAGE_ESTIMATORS, and statistics of its own recorded in collect_rollouts, one line each, and
+nothing else. It must compute, pass the config check and the dry run, train with its statistics in metrics.jsonl,
+and leave the docs' tests green: the suite checks behaviour, never the loop file's size."""
 
 import importlib.util
 import shutil
@@ -73,8 +74,17 @@ ADVANTAGE_ESTIMATORS["median"] = _median_advantages
 '''
 
 
+# a rollout statistic and a count of the fork's own, each one line where it is computed (inserted after ANCHOR)
+ANCHOR = '        timings["time/reward"] += time.perf_counter() - t0\n'
+ROLLOUT_LINES = """\
+        stats.count("rollout/fork_answers", len(batch_samples))  # answers sampled this step, over all ranks
+        stats.count("rollout/fork_rank_count", rank + 1)  # 1 on rank 0, 2 on rank 1: the step's total is 3
+"""
+
+
 def forked_tree(tmp_path) -> Path:
-    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py."""
+    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py and
+    ROLLOUT_LINES in collect_rollouts."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     tree = tmp_path / "fork"
     for name in files:
@@ -83,6 +93,8 @@ def forked_tree(tmp_path) -> Path:
             shutil.copy2(REPO / name, tree / name)
     loop = tree / "train_grpo.py"
     text = loop.read_text()
+    assert text.count(ANCHOR) == 1
+    text = text.replace(ANCHOR, ANCHOR + ROLLOUT_LINES)
     guard = text.rindex('\nif __name__ == "__main__":')
     loop.write_text(text[:guard].rstrip("\n") + "\n" + FORK + "\n" + text[guard:])
     subprocess.run(["git", "init", "-q"], cwd=tree, check=True)  # a fork is a clone: the docs' tests read git's files
@@ -91,12 +103,17 @@ def forked_tree(tmp_path) -> Path:
     return tree
 
 
+@pytest.fixture(scope="module")
+def fork_tree(tmp_path_factory) -> Path:
+    return forked_tree(tmp_path_factory.mktemp("fork"))
+
+
 def test_a_forked_estimator_computes_passes_the_dry_run_and_the_docs_tests(
-    tmp_path, tiny_model_dir, monkeypatch, capsys
+    fork_tree, tmp_path, tiny_model_dir, monkeypatch, capsys
 ):
     """Guards against a layout that fights a fork: a test that fails on the loop file's length, a config check that
     knows only the shipped estimators, a dry run that refuses the new key."""
-    tree = forked_tree(tmp_path)
+    tree = fork_tree
     spec = importlib.util.spec_from_file_location("train_grpo_fork", tree / "train_grpo.py")
     fork = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork)
@@ -122,3 +139,27 @@ def test_a_forked_estimator_computes_passes_the_dry_run_and_the_docs_tests(
     docs = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py"],
                           cwd=tree, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert docs.returncode == 0, docs.stdout[-3000:]
+
+
+def test_a_fork_trains_with_its_own_statistics_in_the_metrics(fork_tree, tmp_path, tiny_model_dir):
+    """Guards against a statistic a fork records in the rollout that never reaches metrics.jsonl (the rollout's
+    statistics were logged only under online filtering), and against a count logged as rank 0's figure rather than
+    the step's total (1 and 2 logged as 1). Two ranks, a step of the forked loop with its estimator."""
+    import json
+
+    from tests.launch import torchrun
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
+    out = tmp_path / "run"
+    torchrun(
+        2, str(fork_tree / "train_grpo.py"), "configs/tiny.yaml", "rollout.engine=hf",
+        f"actor.model_path={tiny_model_dir}", f"data.train_files={data}", "data.val_files=",
+        f"trainer.output_dir={out}", "trainer.max_steps=1",
+        "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=4", "algorithm.adv_estimator=median",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    for r in rows:
+        assert r["rollout/fork_answers"] == 8 * 4  # the step's 8 prompts x 4 answers, both ranks' together
+        assert r["rollout/fork_rank_count"] == 3
+        assert r["rollout/prompts_drawn"] == 8  # the rollout's own statistics too, without online filtering
