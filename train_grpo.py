@@ -110,6 +110,13 @@ def _rloo_advantages(scores, group_size, eps):
     return (groups - others).view(-1)  # (N,)
 
 
+def batch_level(estimator):
+    """Marks an estimator whose baseline is not the prompt's group (its table entry says so): it learns from one
+    answer a prompt, so the config check lets it run at rollout.n=1, which it refuses to a group estimator."""
+    estimator.batch_level = True
+    return estimator
+
+
 def _reinforce_pp_advantages(scores, group_size, eps):
     # REINFORCE++ (https://arxiv.org/abs/2501.03262): whiten the returns over the whole batch, not per group
     if scores.numel() == 1:
@@ -133,16 +140,17 @@ ADVANTAGE_ESTIMATORS = {
     "grpo": _grpo_advantages,
     "dr_grpo": _dr_grpo_advantages,
     "rloo": _rloo_advantages,
-    "reinforce_plus_plus": _reinforce_pp_advantages,
+    "reinforce_plus_plus": batch_level(_reinforce_pp_advantages),
     "grpo_passk": _grpo_passk_advantages,
 }
 
 
-def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6):
-    """scores (N,), consecutive groups of `group_size` samples of one prompt -> advantages (N,)."""
+def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6, **kwargs):
+    """scores (N,), consecutive groups of `group_size` samples of one prompt -> advantages (N,). `kwargs`: the
+    estimator's own settings (algorithm.adv_estimator_kwargs), after the (scores, group_size, eps) every one takes."""
     if scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not form groups of {group_size}")
-    return ADVANTAGE_ESTIMATORS[estimator](scores.float(), group_size, eps)
+    return ADVANTAGE_ESTIMATORS[estimator](scores.float(), group_size, eps, **kwargs)
 
 
 def _low_var_kl(logp, ref_logp):
@@ -191,13 +199,16 @@ def _gspo_loss(logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
 POLICY_LOSSES = {"ppo": _ppo_loss, "gspo": _gspo_loss}
 
 
-def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0, mode="ppo", mask=None):
+def policy_loss(
+    logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0, mode="ppo", mask=None, **kwargs
+):
     """Clipped surrogate. logp, old_logp (B, T); advantages broadcastable to (B, T); `mask` (B, T) for sequence-level
     modes. "ppo": token ratios, clip low/high, dual clip for A < 0 (https://arxiv.org/abs/1912.09729); "gspo".
+    `kwargs`: the loss's own settings (actor.policy_loss_kwargs), after the seven arguments every loss takes.
 
     Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
     """
-    return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
+    return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask, **kwargs)
 
 
 def overlong_penalty(lengths, max_length, buffer, factor):
@@ -382,12 +393,13 @@ def shape_scores(scores, samples, old_logps, ref_logps, cfg):
     return scores
 
 
-def global_advantages(scores, group_size, estimator, eps):
+def global_advantages(scores, group_size, estimator, eps, kwargs=None):
     """A group lives on one rank, but batch-level estimators (reinforce_plus_plus) need every rank's scores: gather
     them all, compute, keep this rank's slice. Every rank must call it (all_gather)."""
     gathered = [torch.empty_like(scores) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, scores.contiguous())
-    return compute_advantages(torch.cat(gathered), group_size, estimator, eps).view(len(gathered), -1)[dist.get_rank()]
+    adv = compute_advantages(torch.cat(gathered), group_size, estimator, eps, **(kwargs or {}))  # (world * N,)
+    return adv.view(len(gathered), -1)[dist.get_rank()]
 
 
 def shares_prefixes(actor) -> bool:
@@ -509,7 +521,15 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
                 taught = stack_padded([teacher_logps[i] for i in mb], t_len, device)  # (B, T)
                 adv = token_advantages(adv, old, taught, mask, cfg.distill.coef, num_tokens, stats)  # (B, T)
             pg, clipped = policy_loss(
-                logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
+                logp,
+                old,
+                adv,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_dual,
+                a.policy_loss,
+                mask,
+                **a.policy_loss_kwargs,
             )
             if weights is not None:  # importance weights against the engine/trainer mismatch
                 pg = pg * weights
@@ -695,10 +715,15 @@ def check_memory(cfg, world, dry_run):
 
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """The config's checks (grpo/config.py) with this file's tables of variants as the valid values of their keys."""
+    """The config's checks (grpo/config.py) with this file's tables of variants as the valid values of their keys, and
+    a variant's own settings checked against its function: the keywords after the arguments every variant takes
+    (an estimator's scores, group_size, eps; a loss's seven, see policy_loss)."""
     check_config_against(cfg, world_size, {
         "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "algorithm.kl_penalty": KL_PENALTIES,
         "actor.policy_loss": POLICY_LOSSES, "actor.loss_agg_mode": LOSS_AGGREGATIONS, "rollout.engine": rollout.ENGINES,
+    }, {
+        "algorithm.adv_estimator_kwargs": ("algorithm.adv_estimator", 3),
+        "actor.policy_loss_kwargs": ("actor.policy_loss", 7),
     })  # fmt: skip
 
 
@@ -807,7 +832,8 @@ def main(argv=None):
 
         # -------------------------------------------------------------------------------------------- advantage
         shaped = shape_scores(scores, samples, old_logps, ref_logps, cfg)  # (N,), what the advantage sees
-        advantages = global_advantages(shaped, r.n, cfg.algorithm.adv_estimator, cfg.algorithm.adv_eps)  # (N,)
+        alg = cfg.algorithm
+        advantages = global_advantages(shaped, r.n, alg.adv_estimator, alg.adv_eps, alg.adv_estimator_kwargs)  # (N,)
         if cfg.algorithm.kl_in_reward:
             ref_logps = None  # the KL is in the reward now, not a loss term
 
