@@ -56,7 +56,7 @@ from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches,
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
-from grpo.distill import load_teacher, token_advantages
+from grpo.distill import load_teacher, token_terms
 from grpo.distributed import (
     StopSignal,
     max_over_ranks,
@@ -255,6 +255,48 @@ def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
     horizon = loss.shape[-1] if horizon is None else horizon
     return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs, horizon)
+
+
+def micro_batch_loss(logp, old_logp, adv, mask, entropy, *, num_tokens, num_seqs, horizon, agg_mode="token-mean",
+                     loss_mode="ppo", clip_low=0.2, clip_high=0.3, clip_dual=3.0, loss_kwargs=None, weights=None,
+                     ref_logp=None, kl_kind="low_var_kl", kl_coef=0.0, entropy_coef=0.0, teacher_logp=None,
+                     distill_coef=1.0, router_loss=None, router_coef=0.0):  # fmt: skip
+    """One micro-batch's loss from its terms: policy term, mismatch correction, KL, entropy, distillation, router
+    loss. Returns (loss, terms): the loss is this micro-batch's share of the optimizer step's mean over all ranks'
+    tokens (`num_tokens`, `num_seqs`: the step's totals, see aggregate_loss); `terms` maps a metric name to a scalar,
+    each a share of that mean too, which update_policy logs by its name (a new term is one entry here).
+
+    logp (B, T) with gradient; old_logp (B, T); adv (B, 1), the reward's advantage; mask (B, T), the tokens the loss
+    trains; entropy (B, T). Optional: weights (B, T), importance weights against the engine/trainer mismatch;
+    ref_logp (B, T), the reference's, for the KL term; teacher_logp (B, T), a teacher's, whose term joins each token's
+    advantage (grpo/distill.py); router_loss, an MoE forward's load-balancing loss (moe.RouterBalance).
+    """
+    agg = {"mode": agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs, "horizon": horizon}
+    terms = {}
+    if teacher_logp is not None:  # on-policy distillation: plus the teacher's term, token by token
+        adv, taught = token_terms(adv, old_logp, teacher_logp, mask, distill_coef, num_tokens)  # (B, T)
+        terms.update(taught)
+    pg, clipped = policy_loss(logp, old_logp, adv, clip_low, clip_high, clip_dual, loss_mode, mask,
+                              **(loss_kwargs or {}))  # (B, T), (B, T)  # fmt: skip
+    if weights is not None:  # importance weights against the engine/trainer mismatch
+        pg = pg * weights  # (B, T)
+    pg_term = aggregate_loss(pg, mask, **agg)
+    loss = pg_term
+    kl_term = torch.zeros(())  # (no reference: algorithm.kl_in_reward, or a KL coefficient of 0)
+    if ref_logp is not None:  # KL as a loss term
+        kl_term = aggregate_loss(kl_penalty(logp, ref_logp, kl_kind), mask, **agg)
+        loss = loss + kl_coef * kl_term
+    if entropy_coef > 0:  # an entropy bonus keeps exploration alive
+        loss = loss - entropy_coef * aggregate_loss(entropy, mask, **agg)
+    if router_coef > 0:  # experts' balance, weighted by the micro-batch's share of the tokens
+        aux = router_loss * mask.sum() / num_tokens
+        loss = loss + router_coef * aux
+        terms["actor/router_aux_loss"] = aux
+    terms["actor/pg_loss"] = pg_term
+    terms["actor/kl"] = kl_term
+    terms["actor/entropy"] = (entropy.detach() * mask).sum() / num_tokens
+    terms["actor/clip_frac"] = (clipped.float() * mask).sum() / num_tokens
+    return loss, terms
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -467,6 +509,12 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device, shared = compute_device(model), shares_prefixes(a)
     stats.copies = a.sequence_parallel_size  # every rank of a group records the group's shares
+    alg = cfg.algorithm
+    settings = dict(agg_mode=a.loss_agg_mode, horizon=cfg.data.max_response_length, loss_mode=a.policy_loss,
+                    clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_dual=a.clip_ratio_dual,
+                    loss_kwargs=a.policy_loss_kwargs, kl_kind=alg.kl_penalty, kl_coef=alg.kl_coef,
+                    entropy_coef=a.entropy_coef, distill_coef=cfg.distill.coef,
+                    router_coef=a.router_aux_loss_coef)  # micro_batch_loss's, all but the batch  # fmt: skip
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
     all_teacher = teacher_logps
     for start in range(0, len(all_samples), seqs_per_step):
@@ -516,45 +564,17 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
             mask, weights = mismatch.measure_and_correct(trainer_logp, mask, prompts, samples, mb, cfg.algorithm, stats)
+            ref = stack_padded([ref_logps[i] for i in mb], t_len, device) if ref_logps else None  # (B, T)
+            taught = stack_padded([teacher_logps[i] for i in mb], t_len, device) if teacher_logps else None  # (B, T)
+            router = model.router_balance.loss() if a.router_aux_loss_coef > 0 else None  # (this forward's routes)
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1): the reward's, the same for every token
-            if teacher_logps:  # on-policy distillation: plus the teacher's term, token by token (grpo/distill.py)
-                taught = stack_padded([teacher_logps[i] for i in mb], t_len, device)  # (B, T)
-                adv = token_advantages(adv, old, taught, mask, cfg.distill.coef, num_tokens, stats)  # (B, T)
-            pg, clipped = policy_loss(
-                logp,
-                old,
-                adv,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_dual,
-                a.policy_loss,
-                mask,
-                **a.policy_loss_kwargs,
-            )
-            if weights is not None:  # importance weights against the engine/trainer mismatch
-                pg = pg * weights
-            agg = {"mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
-                   "horizon": cfg.data.max_response_length}  # fmt: skip
-            pg_term = aggregate_loss(pg, mask, **agg)
-            loss = pg_term
-            kl_term = torch.zeros(())  # (no reference: algorithm.kl_in_reward, or a KL coefficient of 0)
-            if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
-                kl = kl_penalty(logp, stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty)
-                kl_term = aggregate_loss(kl, mask, **agg)
-                loss = loss + cfg.algorithm.kl_coef * kl_term
-            if a.entropy_coef > 0:  # an entropy bonus keeps exploration alive
-                loss = loss - a.entropy_coef * aggregate_loss(entropy, mask, **agg)
-            if a.router_aux_loss_coef > 0:  # experts' balance (moe.RouterBalance), weighted by the share of tokens
-                aux = model.router_balance.loss() * mask.sum() / num_tokens
-                loss = loss + a.router_aux_loss_coef * aux
-                stats.share("actor/router_aux_loss", aux.item())
-            # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
+            loss, terms = micro_batch_loss(logp, old, adv, mask, entropy, weights=weights, ref_logp=ref,
+                                           teacher_logp=taught, router_loss=router, num_tokens=num_tokens,
+                                           num_seqs=num_seqs, **settings)  # fmt: skip
+            # FSDP2 averages gradients over ranks; the loss is a share of the global mean, so undo the average
             (loss * world).backward()
-            # each a term of the step's mean over all ranks' tokens, as the loss's own terms are
-            stats.share("actor/pg_loss", pg_term.item())
-            stats.share("actor/kl", kl_term.item())
-            stats.share("actor/entropy", ((entropy.detach() * mask).sum() / num_tokens).item())
-            stats.share("actor/clip_frac", ((clipped.float() * mask).sum() / num_tokens).item())
+            for name, value in terms.items():  # each a share of the step's mean over all ranks' tokens
+                stats.share(name, value.item())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # skipped for the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank together
