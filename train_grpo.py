@@ -6,22 +6,24 @@ The algorithm, as the default config (configs/geo3k.yaml) runs it, each choice w
  2. Rollout: `rollout.n` answers per prompt at temperature 1.0, top_p 1.0; vision special tokens are never sampled:
     the engine's generate (rollout.py).
  3. Reward: 0.9 * accuracy (last \\boxed{} graded equal to the answer) + 0.1 * format (<think>..</think>..\\boxed{}),
-    every grading call bounded in time: reward.compute_score, graded by reward.RewardScorer.
+    every grading call bounded in time: reward.compute_score, graded by grpo/grading.RewardScorer.
  4. Advantage: GRPO, (score - group mean) / (group std + 1e-6), the same for every token of a response:
     compute_advantages (ADVANTAGE_ESTIMATORS holds the others).
  5. Loss: PPO clipped ratio with clip 0.2 low / 0.3 high and dual clip 3.0 for negative advantages: policy_loss;
     plus 1e-2 x low-variance KL (k3) to the frozen initial policy, as a loss term: kl_penalty (with LoRA,
-    actor.lora_rank > 0, the reference is the policy with its adapters switched off, no second model).
+    actor.lora_rank > 0, the reference is the policy with its adapters switched off, no second model); a
+    micro-batch's loss and its logged terms: micro_batch_loss.
  6. Aggregation: token-mean over ALL response tokens of an optimizer step, exact across micro-batches and ranks:
     aggregate_loss.
  7. Update: AdamW (lr 1e-6, wd 1e-2), grad clip 1.0, a step with a non-finite grad norm is skipped and counted;
     `actor.global_batch_size` prompts per optimizer step (rollout batch 512 -> 4 optimizer steps per step):
     update_policy.
  8. Old log-probs are recomputed by the trainer once per rollout batch (skipped when a single on-policy
-    update makes them equal to the detached current ones): compute_old_and_ref_logprobs.
+    update makes them equal to the detached current ones), with the reference's and a teacher's:
+    compute_old_and_ref_logprobs.
  9. Validation before training and every `trainer.val_freq` steps at temperature 0.6 / top_p 0.95, n=1: validate.
 10. Optional on-policy distillation (distill.model_path; off by default): a frozen teacher's log-probs of the sampled
-    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_advantages.
+    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_terms.
 
 Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
@@ -31,9 +33,11 @@ Launch:
 
 This file holds the GRPO math as pure functions, the phases of a step and main(); a variant is a function and an
 entry in its table (ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, LOSS_AGGREGATIONS), which the config check
-reads. Below it: rollout.py (the engines' interface), reward.py (the rewards and their contract), data.py (prompts,
-images, videos) and the machinery in grpo/, a module a job (grpo/config.py: every key with its default; the
-README's layout table names the rest). Nothing imports this file.
+reads; its own settings are its keyword arguments (actor.policy_loss_kwargs, algorithm.adv_estimator_kwargs). A
+statistic is one line where it is computed (grpo/stats.py). Below this file: rollout.py (the engines' interface),
+reward.py (the rewards and their contract), data.py (prompts, images, videos) and the machinery in grpo/, a module a
+job (grpo/config.py: every key with its default; the README's layout table names the rest). Nothing imports this
+file.
 """
 
 from __future__ import annotations
