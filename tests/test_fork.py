@@ -1,7 +1,8 @@
 """A researcher's fork, as one is written: a new advantage estimator added at the end of train_grpo.py's code and
-registered in ADVANTAGE_ESTIMATORS, and statistics of its own recorded in collect_rollouts, one line each, and
-nothing else. It must compute, pass the config check and the dry run, train with its statistics in metrics.jsonl,
-and leave the docs' tests green: the suite checks behaviour, never the loop file's size."""
+registered in ADVANTAGE_ESTIMATORS, a loss with a setting of its own, statistics of its own recorded in
+collect_rollouts (one line each) and a folder of its own, and nothing else. It must compute, pass the config check
+and the dry run, train with its statistics and settings, and leave the docs' tests green: the suite checks
+behaviour, never the loop file's size."""
 
 import importlib.util
 import shutil
@@ -94,9 +95,14 @@ ROLLOUT_LINES = """\
 """
 
 
+MY_REWARD = """def score(response, ground_truth):
+    return float(response.strip() == ground_truth.strip())
+"""
+
+
 def forked_tree(tmp_path) -> Path:
-    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py and
-    ROLLOUT_LINES in collect_rollouts."""
+    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py,
+    ROLLOUT_LINES in collect_rollouts and a folder of its own, my_task/."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     tree = tmp_path / "fork"
     for name in files:
@@ -109,6 +115,8 @@ def forked_tree(tmp_path) -> Path:
     text = text.replace(ANCHOR, ANCHOR + ROLLOUT_LINES)
     guard = text.rindex('\nif __name__ == "__main__":')
     loop.write_text(text[:guard].rstrip("\n") + "\n" + FORK + "\n" + text[guard:])
+    (tree / "my_task").mkdir()  # a folder of the fork's own, as docs/reward.md's example makes one
+    (tree / "my_task" / "reward.py").write_text(MY_REWARD)
     subprocess.run(["git", "init", "-q"], cwd=tree, check=True)  # a fork is a clone: the docs' tests read git's files
     subprocess.run(["git", "add", "-A"], cwd=tree, check=True)
     assert len(FORK.strip("\n").splitlines()) >= 50  # the size of a variant with its helpers and comments
@@ -123,9 +131,10 @@ def fork_tree(tmp_path_factory) -> Path:
 def test_a_forked_estimator_computes_passes_the_dry_run_and_the_docs_tests(
     fork_tree, tmp_path, tiny_model_dir, monkeypatch, capsys
 ):
-    """Guards against a layout that fights a fork: a test that fails on the loop file's length, a config check that
-    knows only the shipped estimators and losses, a dry run that refuses the new keys or passes a misspelled setting
-    of the loss's own (it would end the first step with a TypeError, after the models loaded)."""
+    """Guards against a layout that fights a fork: a test that fails on the loop file's length or on a folder of the
+    fork's own (the layout table's test once asked it to name my_task/), a config check that knows only the shipped
+    estimators and losses, a dry run that refuses the new keys or passes a misspelled setting of the loss's own (it
+    would end the first step with a TypeError, after the models loaded)."""
     tree = fork_tree
     spec = importlib.util.spec_from_file_location("train_grpo_fork", tree / "train_grpo.py")
     fork = importlib.util.module_from_spec(spec)
