@@ -6,22 +6,24 @@ The algorithm, as the default config (configs/geo3k.yaml) runs it, each choice w
  2. Rollout: `rollout.n` answers per prompt at temperature 1.0, top_p 1.0; vision special tokens are never sampled:
     the engine's generate (rollout.py).
  3. Reward: 0.9 * accuracy (last \\boxed{} graded equal to the answer) + 0.1 * format (<think>..</think>..\\boxed{}),
-    every grading call bounded in time: reward.compute_score, graded by reward.RewardScorer.
+    every grading call bounded in time: reward.compute_score, graded by grpo/grading.RewardScorer.
  4. Advantage: GRPO, (score - group mean) / (group std + 1e-6), the same for every token of a response:
     compute_advantages (ADVANTAGE_ESTIMATORS holds the others).
  5. Loss: PPO clipped ratio with clip 0.2 low / 0.3 high and dual clip 3.0 for negative advantages: policy_loss;
     plus 1e-2 x low-variance KL (k3) to the frozen initial policy, as a loss term: kl_penalty (with LoRA,
-    actor.lora_rank > 0, the reference is the policy with its adapters switched off, no second model).
+    actor.lora_rank > 0, the reference is the policy with its adapters switched off, no second model); a
+    micro-batch's loss and its logged terms: micro_batch_loss.
  6. Aggregation: token-mean over ALL response tokens of an optimizer step, exact across micro-batches and ranks:
     aggregate_loss.
  7. Update: AdamW (lr 1e-6, wd 1e-2), grad clip 1.0, a step with a non-finite grad norm is skipped and counted;
     `actor.global_batch_size` prompts per optimizer step (rollout batch 512 -> 4 optimizer steps per step):
     update_policy.
  8. Old log-probs are recomputed by the trainer once per rollout batch (skipped when a single on-policy
-    update makes them equal to the detached current ones): compute_old_and_ref_logprobs.
+    update makes them equal to the detached current ones), with the reference's and a teacher's:
+    compute_old_and_ref_logprobs.
  9. Validation before training and every `trainer.val_freq` steps at temperature 0.6 / top_p 0.95, n=1: validate.
 10. Optional on-policy distillation (distill.model_path; off by default): a frozen teacher's log-probs of the sampled
-    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_advantages.
+    tokens add coef x (log p_teacher - log p_old) to each token's advantage: grpo/distill.token_terms.
 
 Launch:
     torchrun --nproc_per_node=8 train_grpo.py configs/geo3k.yaml                   # one 8-GPU node
@@ -31,9 +33,11 @@ Launch:
 
 This file holds the GRPO math as pure functions, the phases of a step and main(); a variant is a function and an
 entry in its table (ADVANTAGE_ESTIMATORS, KL_PENALTIES, POLICY_LOSSES, LOSS_AGGREGATIONS), which the config check
-reads. Below it: rollout.py (the engines' interface), reward.py (the rewards and their contract), data.py (prompts,
-images, videos) and the machinery in grpo/, a module a job (grpo/config.py: every key with its default; the
-README's layout table names the rest). Nothing imports this file.
+reads; its own settings are its keyword arguments (actor.policy_loss_kwargs, algorithm.adv_estimator_kwargs). A
+statistic is one line where it is computed (grpo/stats.py). Below this file: rollout.py (the engines' interface),
+reward.py (the rewards and their contract), data.py (prompts, images, videos) and the machinery in grpo/, a module a
+job (grpo/config.py: every key with its default; the README's layout table names the rest). Nothing imports this
+file.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches,
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
 from grpo.config import Config, ConfigError, config_to_dict, load_config
 from grpo.config import check_config as check_config_against
-from grpo.distill import load_teacher, token_advantages
+from grpo.distill import load_teacher, token_terms
 from grpo.distributed import (
     StopSignal,
     max_over_ranks,
@@ -110,6 +114,13 @@ def _rloo_advantages(scores, group_size, eps):
     return (groups - others).view(-1)  # (N,)
 
 
+def batch_level(estimator):
+    """Marks an estimator whose baseline is not the prompt's group (its table entry says so): it learns from one
+    answer a prompt, so the config check lets it run at rollout.n=1, which it refuses to a group estimator."""
+    estimator.batch_level = True
+    return estimator
+
+
 def _reinforce_pp_advantages(scores, group_size, eps):
     # REINFORCE++ (https://arxiv.org/abs/2501.03262): whiten the returns over the whole batch, not per group
     if scores.numel() == 1:
@@ -133,16 +144,17 @@ ADVANTAGE_ESTIMATORS = {
     "grpo": _grpo_advantages,
     "dr_grpo": _dr_grpo_advantages,
     "rloo": _rloo_advantages,
-    "reinforce_plus_plus": _reinforce_pp_advantages,
+    "reinforce_plus_plus": batch_level(_reinforce_pp_advantages),
     "grpo_passk": _grpo_passk_advantages,
 }
 
 
-def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6):
-    """scores (N,), consecutive groups of `group_size` samples of one prompt -> advantages (N,)."""
+def compute_advantages(scores: torch.Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6, **kwargs):
+    """scores (N,), consecutive groups of `group_size` samples of one prompt -> advantages (N,). `kwargs`: the
+    estimator's own settings (algorithm.adv_estimator_kwargs), after the (scores, group_size, eps) every one takes."""
     if scores.numel() % group_size:
         raise ValueError(f"{scores.numel()} scores do not form groups of {group_size}")
-    return ADVANTAGE_ESTIMATORS[estimator](scores.float(), group_size, eps)
+    return ADVANTAGE_ESTIMATORS[estimator](scores.float(), group_size, eps, **kwargs)
 
 
 def _low_var_kl(logp, ref_logp):
@@ -191,13 +203,16 @@ def _gspo_loss(logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
 POLICY_LOSSES = {"ppo": _ppo_loss, "gspo": _gspo_loss}
 
 
-def policy_loss(logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0, mode="ppo", mask=None):
+def policy_loss(
+    logp, old_logp, advantages, clip_low=0.2, clip_high=0.3, clip_dual=3.0, mode="ppo", mask=None, **kwargs
+):
     """Clipped surrogate. logp, old_logp (B, T); advantages broadcastable to (B, T); `mask` (B, T) for sequence-level
     modes. "ppo": token ratios, clip low/high, dual clip for A < 0 (https://arxiv.org/abs/1912.09729); "gspo".
+    `kwargs`: the loss's own settings (actor.policy_loss_kwargs), after the seven arguments every loss takes.
 
     Returns (loss (B, T), clipped (B, T) bool: tokens whose gradient the clip removed).
     """
-    return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask)
+    return POLICY_LOSSES[mode](logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask, **kwargs)
 
 
 def overlong_penalty(lengths, max_length, buffer, factor):
@@ -246,6 +261,48 @@ def aggregate_loss(loss, mask, mode="token-mean", num_tokens=None, num_seqs=None
     return LOSS_AGGREGATIONS[mode](loss, mask, num_tokens, num_seqs, horizon)
 
 
+def micro_batch_loss(logp, old_logp, adv, mask, entropy, *, num_tokens, num_seqs, horizon, agg_mode="token-mean",
+                     loss_mode="ppo", clip_low=0.2, clip_high=0.3, clip_dual=3.0, loss_kwargs=None, weights=None,
+                     ref_logp=None, kl_kind="low_var_kl", kl_coef=0.0, entropy_coef=0.0, teacher_logp=None,
+                     distill_coef=1.0, router_loss=None, router_coef=0.0):  # fmt: skip
+    """One micro-batch's loss from its terms: policy term, mismatch correction, KL, entropy, distillation, router
+    loss. Returns (loss, terms): the loss is this micro-batch's share of the optimizer step's mean over all ranks'
+    tokens (`num_tokens`, `num_seqs`: the step's totals, see aggregate_loss); `terms` maps a metric name to a scalar,
+    each a share of that mean too, which update_policy logs by its name (a new term is one entry here).
+
+    logp (B, T) with gradient; old_logp (B, T); adv (B, 1), the reward's advantage; mask (B, T), the tokens the loss
+    trains; entropy (B, T). Optional: weights (B, T), importance weights against the engine/trainer mismatch;
+    ref_logp (B, T), the reference's, for the KL term; teacher_logp (B, T), a teacher's, whose term joins each token's
+    advantage (grpo/distill.py); router_loss, an MoE forward's load-balancing loss (moe.RouterBalance).
+    """
+    agg = {"mode": agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs, "horizon": horizon}
+    terms = {}
+    if teacher_logp is not None:  # on-policy distillation: plus the teacher's term, token by token
+        adv, taught = token_terms(adv, old_logp, teacher_logp, mask, distill_coef, num_tokens)  # (B, T)
+        terms.update(taught)
+    pg, clipped = policy_loss(logp, old_logp, adv, clip_low, clip_high, clip_dual, loss_mode, mask,
+                              **(loss_kwargs or {}))  # (B, T), (B, T)  # fmt: skip
+    if weights is not None:  # importance weights against the engine/trainer mismatch
+        pg = pg * weights  # (B, T)
+    pg_term = aggregate_loss(pg, mask, **agg)
+    loss = pg_term
+    kl_term = torch.zeros(())  # (no reference: algorithm.kl_in_reward, or a KL coefficient of 0)
+    if ref_logp is not None:  # KL as a loss term
+        kl_term = aggregate_loss(kl_penalty(logp, ref_logp, kl_kind), mask, **agg)
+        loss = loss + kl_coef * kl_term
+    if entropy_coef > 0:  # an entropy bonus keeps exploration alive
+        loss = loss - entropy_coef * aggregate_loss(entropy, mask, **agg)
+    if router_coef > 0:  # experts' balance, weighted by the micro-batch's share of the tokens
+        aux = router_loss * mask.sum() / num_tokens
+        loss = loss + router_coef * aux
+        terms["actor/router_aux_loss"] = aux
+    terms["actor/pg_loss"] = pg_term
+    terms["actor/kl"] = kl_term
+    terms["actor/entropy"] = (entropy.detach() * mask).sum() / num_tokens
+    terms["actor/clip_frac"] = (clipped.float() * mask).sum() / num_tokens
+    return loss, terms
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Phases of a step, each a named function so the loop in main() reads top to bottom.
 
@@ -256,7 +313,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     With algorithm.online_filtering (DAPO dynamic sampling, https://arxiv.org/abs/2503.14476) a prompt group whose
     mean `filter_key` is <= filter_low or >= filter_high (all wrong or all right: zero advantage) is dropped and more
     prompts are drawn, in rounds that every rank takes together (generation can be collective) until every rank has
-    a full batch. Returns (examples, prompts, samples, results, stats), epoch, position.
+    a full batch. Returns (examples, prompts, samples, results, stats: the rollout's StepStats), epoch, position.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     alg, r = cfg.algorithm, cfg.rollout
@@ -264,7 +321,9 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
     params = rollout.SamplingParams(r.temperature, r.top_p, cfg.data.max_response_length)
     rounds = alg.max_filter_rounds if alg.online_filtering else 1
     examples, prompts, samples, results = [], [], [], []
-    stats = {"rollout/filtered_groups": 0.0, "rollout/prompts_drawn": 0.0}
+    stats = StepStats()  # the rollout's statistics, each reduced as its line says (grpo/stats.py)
+    if alg.online_filtering:
+        stats.count("rollout/filtered_groups", 0)  # (logged when no group was dropped too)
     timeouts_before = scorer.n_timeouts
     timings["time/generate"] = timings["time/reward"] = 0.0
     have = torch.tensor([0])
@@ -283,12 +342,13 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
                 engine, sampler, train_set, processor, epoch, position, need, r.n, params, seed, step, len(examples)
             )
         timings["time/generate"] += time.perf_counter() - t0
-        stats.update({k: stats.get(k, 0.0) + v for k, v in counts.items()})  # summed over the rounds
+        for key, value in counts.items():  # summed over the rounds, reduced by their modules (turns.py, partial.py)
+            stats[key] += value
         t0 = time.perf_counter()
         rows = [batch[s.prompt_index] for s in batch_samples]  # (the reward may ask for their columns)
         batch_results = scorer.score([s.text for s in batch_samples], [ex.answer for ex in rows], rows)
         timings["time/reward"] += time.perf_counter() - t0
-        stats["rollout/prompts_drawn"] += len(batch)
+        stats.count("rollout/prompts_drawn", len(batch))
         for g in range(len(batch)):
             group = batch_results[g * r.n : (g + 1) * r.n]
             if alg.online_filtering:
@@ -296,7 +356,7 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
                     raise ConfigError(f"algorithm.filter_key={alg.filter_key!r} is not a reward key: {list(group[0])}")
                 mean = sum(x[alg.filter_key] for x in group) / r.n
                 if mean <= alg.filter_low or mean >= alg.filter_high:
-                    stats["rollout/filtered_groups"] += 1
+                    stats.count("rollout/filtered_groups")
                     continue
             if len(examples) < need:
                 for s in batch_samples[g * r.n : (g + 1) * r.n]:
@@ -320,8 +380,9 @@ def collect_rollouts(engine, scorer, processor, train_set, sampler, epoch, posit
             f"({alg.filter_key} mean in ({alg.filter_low}, {alg.filter_high})) after {rounds} rounds of {need} "
             f"prompts; raise algorithm.max_filter_rounds or widen filter_low/filter_high"
         )
-    stats["rollout/filter_rounds"] = round_ + 1.0
-    stats["reward/timeouts_step"] = float(scorer.n_timeouts - timeouts_before)  # however many score() calls it took
+    if alg.online_filtering:
+        stats.last("rollout/filter_rounds", round_ + 1)  # (every rank takes the same rounds)
+    stats.count("reward/timeouts_step", scorer.n_timeouts - timeouts_before)  # however many score() calls it took
     return (examples, prompts, samples, results, stats), epoch, position
 
 
@@ -378,12 +439,13 @@ def shape_scores(scores, samples, old_logps, ref_logps, cfg):
     return scores
 
 
-def global_advantages(scores, group_size, estimator, eps):
+def global_advantages(scores, group_size, estimator, eps, kwargs=None):
     """A group lives on one rank, but batch-level estimators (reinforce_plus_plus) need every rank's scores: gather
     them all, compute, keep this rank's slice. Every rank must call it (all_gather)."""
     gathered = [torch.empty_like(scores) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, scores.contiguous())
-    return compute_advantages(torch.cat(gathered), group_size, estimator, eps).view(len(gathered), -1)[dist.get_rank()]
+    adv = compute_advantages(torch.cat(gathered), group_size, estimator, eps, **(kwargs or {}))  # (world * N,)
+    return adv.view(len(gathered), -1)[dist.get_rank()]
 
 
 def shares_prefixes(actor) -> bool:
@@ -451,6 +513,12 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
     params = [p for group in optimizer.param_groups for p in group["params"]]
     device, shared = compute_device(model), shares_prefixes(a)
     stats.copies = a.sequence_parallel_size  # every rank of a group records the group's shares
+    alg = cfg.algorithm
+    settings = dict(agg_mode=a.loss_agg_mode, horizon=cfg.data.max_response_length, loss_mode=a.policy_loss,
+                    clip_low=a.clip_ratio_low, clip_high=a.clip_ratio_high, clip_dual=a.clip_ratio_dual,
+                    loss_kwargs=a.policy_loss_kwargs, kl_kind=alg.kl_penalty, kl_coef=alg.kl_coef,
+                    entropy_coef=a.entropy_coef, distill_coef=cfg.distill.coef,
+                    router_coef=a.router_aux_loss_coef)  # micro_batch_loss's, all but the batch  # fmt: skip
     all_samples, all_prompts, all_advantages, all_old, all_ref = samples, prompts, advantages, old_logps, ref_logps
     all_teacher = teacher_logps
     for start in range(0, len(all_samples), seqs_per_step):
@@ -467,7 +535,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             lengths = [len(p.input_ids) // share + len(s.response_ids) for p, s, *_ in items]
             # between the sequence-parallel groups: each rank with its peers at the same place in the other groups
             items, moved = balance_over_ranks(items, lengths, sequence_parallel.groups(sp)[1] if sp > 1 else None)
-        stats.count("actor/moved_sequences", moved)  # sent to another rank to even out the tokens
+        # sent to another rank to even out the tokens: balance_over_ranks returns all of the step's moves, every rank
+        stats.count("actor/moved_sequences", moved, per_rank=True)
         prompts = [it[0] for it in items]
         samples = [dataclasses.replace(it[1], prompt_index=j) for j, it in enumerate(items)]
         advantages = torch.stack([torch.as_tensor(it[2]) for it in items])  # (S,)
@@ -483,7 +552,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         num_tokens, num_seqs = totals[0].item() / sp, totals[1].item() / sp  # (each of a group's ranks counted them)
         for mb, live in micro_batches(prompts, samples, chunk, cfg, grad=True):
             batch_inputs, response_ids, mask = make_micro_batch(prompts, samples, mb, ids, a.padding_free, shared)
-            stats.count("actor/micro_batches")  # forward/backward passes over the step's optimizer steps
+            # forward/backward passes over the step's optimizer steps: as many on every rank (the collectives agree)
+            stats.count("actor/micro_batches", per_rank=True)
             if not live:  # only here to keep the collectives in step: a zero mask zeroes its loss and every statistic
                 mask = torch.zeros_like(mask)
             if a.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward says little about its tokens
@@ -498,37 +568,17 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             # precomputed or (single on-policy update) this pass's detached one, taken before the only optimizer step.
             trainer_logp = logp.detach() if cfg.algorithm.rollout_bypass else old  # bypass: old is the engine's
             mask, weights = mismatch.measure_and_correct(trainer_logp, mask, prompts, samples, mb, cfg.algorithm, stats)
+            ref = stack_padded([ref_logps[i] for i in mb], t_len, device) if ref_logps else None  # (B, T)
+            taught = stack_padded([teacher_logps[i] for i in mb], t_len, device) if teacher_logps else None  # (B, T)
+            router = model.router_balance.loss() if a.router_aux_loss_coef > 0 else None  # (this forward's routes)
             adv = advantages[mb].to(device).unsqueeze(-1)  # (B, 1): the reward's, the same for every token
-            if teacher_logps:  # on-policy distillation: plus the teacher's term, token by token (grpo/distill.py)
-                taught = stack_padded([teacher_logps[i] for i in mb], t_len, device)  # (B, T)
-                adv = token_advantages(adv, old, taught, mask, cfg.distill.coef, num_tokens, stats)  # (B, T)
-            pg, clipped = policy_loss(
-                logp, old, adv, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual, a.policy_loss, mask
-            )
-            if weights is not None:  # importance weights against the engine/trainer mismatch
-                pg = pg * weights
-            agg = {"mode": a.loss_agg_mode, "num_tokens": num_tokens, "num_seqs": num_seqs,
-                   "horizon": cfg.data.max_response_length}  # fmt: skip
-            pg_term = aggregate_loss(pg, mask, **agg)
-            loss = pg_term
-            kl_term = torch.zeros(())  # (no reference: algorithm.kl_in_reward, or a KL coefficient of 0)
-            if ref_logps:  # KL as a loss term (with algorithm.kl_in_reward the loop passes no ref_logps here)
-                kl = kl_penalty(logp, stack_padded([ref_logps[i] for i in mb], t_len, device), cfg.algorithm.kl_penalty)
-                kl_term = aggregate_loss(kl, mask, **agg)
-                loss = loss + cfg.algorithm.kl_coef * kl_term
-            if a.entropy_coef > 0:  # an entropy bonus keeps exploration alive
-                loss = loss - a.entropy_coef * aggregate_loss(entropy, mask, **agg)
-            if a.router_aux_loss_coef > 0:  # experts' balance (moe.RouterBalance), weighted by the share of tokens
-                aux = model.router_balance.loss() * mask.sum() / num_tokens
-                loss = loss + a.router_aux_loss_coef * aux
-                stats.share("actor/router_aux_loss", aux.item())
-            # FSDP2 averages gradients over ranks; the shares above are of the global mean, so undo the average
+            loss, terms = micro_batch_loss(logp, old, adv, mask, entropy, weights=weights, ref_logp=ref,
+                                           teacher_logp=taught, router_loss=router, num_tokens=num_tokens,
+                                           num_seqs=num_seqs, **settings)  # fmt: skip
+            # FSDP2 averages gradients over ranks; the loss is a share of the global mean, so undo the average
             (loss * world).backward()
-            # each a term of the step's mean over all ranks' tokens, as the loss's own terms are
-            stats.share("actor/pg_loss", pg_term.item())
-            stats.share("actor/kl", kl_term.item())
-            stats.share("actor/entropy", ((entropy.detach() * mask).sum() / num_tokens).item())
-            stats.share("actor/clip_frac", ((clipped.float() * mask).sum() / num_tokens).item())
+            for name, value in terms.items():  # each a share of the step's mean over all ranks' tokens
+                stats.share(name, value.item())
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # skipped for the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank together
@@ -537,9 +587,9 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        stats.count("actor/skipped_steps", not stepped)
+        stats.count("actor/skipped_steps", not stepped, per_rank=True)  # (decided together)
         stats.last("actor/grad_norm", grad_norm.item())
-        stats.count("actor/optimizer_steps")
+        stats.count("actor/optimizer_steps", per_rank=True)
 
 
 def validate(engine, val_set, processor, scorer, cfg, rank, world, logger):
@@ -632,7 +682,7 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     from grpo.grading import equal_reward_groups
 
     world = dist.get_world_size()
-    _, prompts, samples, results, filter_stats = batch
+    _, prompts, samples, results, rollout_stats = batch
     n_updates = stats["actor/optimizer_steps"]
     lengths = [len(s.response_ids) for s in samples]
     sums = {
@@ -652,16 +702,12 @@ def step_metrics(cfg, batch, scores, shaped, stats, timings, t_step, epoch, sche
     metrics.update(stats.metrics(n_updates))  # the update's statistics, reduced as each was recorded (grpo/stats.py)
     metrics.update(max_over_ranks({"response_length/max": float(max(lengths)), "host/rss_gb": release_host_memory()}))
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # engine vs trainer log-probs, per modality
-    # grading failures of all ranks together: answers that hit reward.timeout this step, and the run's so far
-    fails = {"reward/timeouts_step": filter_stats.pop("reward/timeouts_step"), "reward/errors": float(scorer.n_errors)}
-    fails["reward/timeouts"] = float(scorer.n_timeouts)
+    # grading failures of all ranks together, the run's so far (this step's timeouts: the rollout's statistics)
+    fails = {"reward/errors": float(scorer.n_errors), "reward/timeouts": float(scorer.n_timeouts)}
     metrics.update(mean_over_ranks(fails, dict.fromkeys(fails, 1.0 / world)))
-    metrics.update(turns.step_metrics(filter_stats, samples))  # tool calls and faults, when tools are on
-    metrics.update(partial.step_metrics(filter_stats, samples))  # carried answers and their staleness, with partial
-    if cfg.algorithm.online_filtering:  # totals over ranks: groups dropped, prompts it took to fill the batch
-        rounds = filter_stats.pop("rollout/filter_rounds")
-        metrics.update(mean_over_ranks(filter_stats, dict.fromkeys(filter_stats, 1.0 / world)))
-        metrics["rollout/filter_rounds"] = rounds
+    metrics.update(turns.step_metrics(rollout_stats, samples))  # tool calls and faults, when tools are on
+    metrics.update(partial.step_metrics(rollout_stats, samples))  # carried answers and their staleness, with partial
+    metrics.update(rollout_stats.metrics())  # the rest as recorded: prompts drawn, groups dropped, timeouts
     # generated tokens of all ranks (a TP group's members each count their own samples) per second of generate
     gen_tokens = mean_over_ranks({"gen": float(sum(lengths))}, {"gen": 1.0 / world})["gen"]
     gen_tokens = metrics.get("rollout/partial_generated", gen_tokens)  # partial: sampled now, carried ones not again
@@ -693,10 +739,15 @@ def check_memory(cfg, world, dry_run):
 
 
 def check_config(cfg: Config, world_size: int) -> None:
-    """The config's checks (grpo/config.py) with this file's tables of variants as the valid values of their keys."""
+    """The config's checks (grpo/config.py) with this file's tables of variants as the valid values of their keys, and
+    a variant's own settings checked against its function: the keywords after the arguments every variant takes
+    (an estimator's scores, group_size, eps; a loss's seven, see policy_loss)."""
     check_config_against(cfg, world_size, {
         "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS, "algorithm.kl_penalty": KL_PENALTIES,
         "actor.policy_loss": POLICY_LOSSES, "actor.loss_agg_mode": LOSS_AGGREGATIONS, "rollout.engine": rollout.ENGINES,
+    }, {
+        "algorithm.adv_estimator_kwargs": ("algorithm.adv_estimator", 3),
+        "actor.policy_loss_kwargs": ("actor.policy_loss", 7),
     })  # fmt: skip
 
 
@@ -806,7 +857,8 @@ def main(argv=None):
 
         # -------------------------------------------------------------------------------------------- advantage
         shaped = shape_scores(scores, samples, old_logps, ref_logps, cfg)  # (N,), what the advantage sees
-        advantages = global_advantages(shaped, r.n, cfg.algorithm.adv_estimator, cfg.algorithm.adv_eps)  # (N,)
+        alg = cfg.algorithm
+        advantages = global_advantages(shaped, r.n, alg.adv_estimator, alg.adv_eps, alg.adv_estimator_kwargs)  # (N,)
         if cfg.algorithm.kl_in_reward:
             ref_logps = None  # the KL is in the reward now, not a loss term
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -50,6 +52,7 @@ class DataConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # see ADVANTAGE_ESTIMATORS
+    adv_estimator_kwargs: dict = field(default_factory=dict)  # the estimator's own keyword arguments, {name: value}
     kl_coef: float = 1e-2  # weight of the KL loss term; 0 skips the reference model entirely
     kl_penalty: str = "low_var_kl"  # see KL_PENALTIES: k1, k2, low_var_kl
     adv_eps: float = 1e-6  # added to the group std
@@ -96,6 +99,7 @@ class ActorConfig:
     clip_ratio_dual: float = 3.0  # dual clip for negative advantages (https://arxiv.org/abs/1912.09729)
     loss_agg_mode: str = "token-mean"  # see LOSS_AGGREGATIONS
     policy_loss: str = "ppo"  # see POLICY_LOSSES: ppo (token ratios), gspo (sequence ratio; clip ratios ~3e-4/4e-4)
+    policy_loss_kwargs: dict = field(default_factory=dict)  # the loss's own keyword arguments, {name: value}
     entropy_coef: float = 0.0  # entropy bonus weight; 0 = off
     mask_truncated: bool = False  # leave answers cut at max_response_length out of the loss (DAPO)
     router_aux_loss_coef: float = 0.0  # > 0: MoE experts' load-balancing loss at this weight (pretraining's 1e-3)
@@ -203,6 +207,13 @@ class ConfigError(ValueError):
 def _coerce(value, typ, key):
     """Check a YAML/CLI value against a dataclass field type; return it converted where the conversion is lossless."""
     origin = typing.get_origin(typ)
+    if typ is dict:  # a variant's own keyword arguments: `key={name: value}` on the command line, a map in YAML
+        if value in (None, ""):
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a map like {{name: value}}, got {value!r}")
+        # PyYAML reads `1e-3` (no dot) as a string: a number written so is meant as one
+        return {k: float(v) if isinstance(v, str) and _EXPONENT.fullmatch(v) else v for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list like [a,b], got {value!r}")
@@ -230,6 +241,9 @@ def _coerce(value, typ, key):
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
     raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+_EXPONENT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 
 def _apply(cfg: Config, section: str, key: str, value):
@@ -274,18 +288,45 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
-def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterable[str]]) -> None:
+def kwargs_problem(key: str, fn, kwargs: dict, fixed: int) -> str | None:
+    """A variant's own settings (`key`, a map of keyword arguments) against its function: every name one of the
+    parameters after the `fixed` ones that every variant of its table takes, and none of those without a default
+    left out. None when they fit."""
+    params = list(inspect.signature(fn).parameters.values())[fixed:]
+    own = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    name, listed = getattr(fn, "__name__", repr(fn)), ", ".join(own) or "none"
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        if unknown := [k for k in kwargs if k not in own]:
+            return f"{key}: {name} takes no argument {unknown[0]!r}; its own arguments: {listed}"
+    if missing := [p.name for p in params if p.name in own and p.default is p.empty and p.name not in kwargs]:
+        return f"{key}: {name} needs its argument {missing[0]!r} (its own arguments: {listed})"
+    return None
+
+
+def _get(cfg: Config, name: str):
+    section, key = name.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def check_config(cfg: Config, world_size: int, choices: dict[str, dict], settings: dict | None = None) -> None:
     """Reject choices that cannot work before any model loads, naming the numbers to change. `choices` maps a key
     (`algorithm.adv_estimator`) to its valid values: the loop's own tables of variants, read at the call, so a variant
-    added to a table is a valid value at once."""
+    added to a table is a valid value at once. `settings` maps a variant's own settings (`actor.policy_loss_kwargs`)
+    to (the key choosing the variant, how many arguments every variant of its table takes), checked against the
+    chosen function's signature."""
     d, a, r, alg = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm
     for name, valid in choices.items():
-        section, key = name.split(".")
-        if (value := getattr(getattr(cfg, section), key)) not in valid:
+        if (value := _get(cfg, name)) not in valid:
             raise ConfigError(f"{name}={value!r}; valid: {list(valid)}")
-    if r.n == 1 and alg.adv_estimator != "reinforce_plus_plus":  # (a group estimator, and groups of one)
+    for name, (chooser, fixed) in (settings or {}).items():
+        if problem := kwargs_problem(name, choices[chooser][_get(cfg, chooser)], _get(cfg, name), fixed):
+            raise ConfigError(problem)
+    estimators = choices.get("algorithm.adv_estimator", {})
+    if r.n == 1 and not getattr(estimators.get(alg.adv_estimator), "batch_level", False):  # groups of one answer
+        batch_level = [k for k, fn in estimators.items() if getattr(fn, "batch_level", False)]
         raise ConfigError("rollout.n=1: with one answer a prompt every advantage is 0 and nothing is learned: "
-                          "set rollout.n >= 2, or algorithm.adv_estimator=reinforce_plus_plus")  # fmt: skip
+                          f"set rollout.n >= 2, or algorithm.adv_estimator to a batch-level one: "
+                          f"{', '.join(batch_level)}")  # fmt: skip
     if cfg.reward.num_workers < 0:
         raise ConfigError(f"reward.num_workers={cfg.reward.num_workers}; 0 = automatic, or a number of processes")
     if cfg.reward.overlong_buffer >= d.max_response_length:
@@ -302,8 +343,7 @@ def check_config(cfg: Config, world_size: int, choices: dict[str, typing.Iterabl
     for name in ("data.rollout_batch_size actor.global_batch_size actor.micro_batch_size rollout.n actor.ppo_epochs "
                  "actor.micro_batch_size_no_grad rollout.val_n rollout.max_turns data.max_response_length "
                  "data.val_batch_size trainer.collective_timeout_s").split():  # fmt: skip
-        section, key = name.split(".")
-        if (value := getattr(getattr(cfg, section), key)) <= 0:
+        if (value := _get(cfg, name)) <= 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
     if r.tools and (problem := tools_problem(r.tools)):  # a tool that cannot load or be shown to the model
         raise ConfigError(f"rollout.tools: {problem}")

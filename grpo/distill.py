@@ -35,14 +35,22 @@ def teacher_advantage(old_logp: torch.Tensor, teacher_logp: torch.Tensor, coef: 
     return coef * (teacher_logp - old_logp)  # (B, T)
 
 
-def token_advantages(adv, old_logp, teacher_logp, mask, coef, num_tokens, stats):
-    """The reward's advantage (B, 1) plus the teacher's term (B, T) -> (B, T), and the step's statistics as shares of
-    the mean over its answer tokens (`mask`, `num_tokens`: those the loss trains, over every rank):
+def token_terms(adv, old_logp, teacher_logp, mask, coef, num_tokens):
+    """The reward's advantage (B, 1) plus the teacher's term (B, T) -> (B, T), and its named terms as shares of the
+    step's mean over its answer tokens (`mask`, `num_tokens`: those the loss trains, over every rank):
     distill/reverse_kl, the mean of log p_old - log p_teacher, and distill/advantage, the term's mean."""
     term = teacher_advantage(old_logp, teacher_logp, coef) * mask  # (B, T), none on tool turns and padding
-    stats.share("distill/reverse_kl", (((old_logp - teacher_logp) * mask).sum() / num_tokens).item())
-    stats.share("distill/advantage", (term.sum() / num_tokens).item())
-    return adv + term  # (B, T)
+    terms = {"distill/reverse_kl": ((old_logp - teacher_logp) * mask).sum() / num_tokens,
+             "distill/advantage": term.sum() / num_tokens}  # fmt: skip
+    return adv + term, terms  # (B, T), {name: scalar}
+
+
+def token_advantages(adv, old_logp, teacher_logp, mask, coef, num_tokens, stats):
+    """token_terms with its terms recorded in `stats` (grpo/stats.py) as shares."""
+    adv, terms = token_terms(adv, old_logp, teacher_logp, mask, coef, num_tokens)
+    for name, value in terms.items():
+        stats.share(name, value.item())
+    return adv  # (B, T)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,9 @@ FIGURES is the one table: each row a figure, the run that measures it (RUNS: a f
 returns its output), how to read the value, the README's text for it, and the band the value must fall in: the spread
 the linked page states (over seeds and arithmetic for the demos, the bound a bench asserts) or, where it states
 none, one given with the row and why. A run is made once for all its figures, one after the other (never two
-benches at once: they share the cores). The README must still hold each row's text, so this table and the README
-cannot drift apart. Exit status 1 when a figure is outside its band or its text is gone from the README, 2 when a run
-failed. The GPU rows (one H100) are bench/gpu_check.py's.
+benches at once: they share the cores). The README's headline table, or its figures in full in docs/performance.md,
+must still hold each row's text, so this table and the pages cannot drift apart. Exit status 1 when a figure is
+outside its band or its text is gone, 2 when a run failed. The GPU rows (one H100) are bench/gpu_check.py's.
 
 Demos run at the default seed (1) with their assets built as their make targets build them (scripts/seeds.py), into
 outputs/figures/NAME; on this machine a demo's run repeats exactly, on another CPU it is another sample of the seeds'
@@ -230,7 +230,9 @@ def main() -> None:
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
         p.error(f"no such run: {', '.join(unknown)}")
+    # the README's headline table and its every figure in full (docs/performance.md), where the long forms live
     readme = (REPO / "README.md").read_text().split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    readme += (REPO / "docs" / "performance.md").read_text().split("## The headline figures in full", 1)[1]
     print(f"runs: {', '.join(runs)} (about {sum(RUNS[r][1] for r in runs)} minutes)", flush=True)
     moved, failed = [], []
     for run in runs:

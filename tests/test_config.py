@@ -1,6 +1,7 @@
 """Config: YAML + CLI overrides, and the errors a user gets before any model loads."""
 
 import pytest
+import torch
 
 from train_grpo import Config, ConfigError, check_config, load_config, main
 
@@ -163,3 +164,30 @@ def test_router_balance_weight_that_cannot_work(tiny_model_dir, tiny_family_dir,
     assert "router_aux_loss_coef balances routed experts; a qwen2_5_vl model has none" in capsys.readouterr().err
     assert main([*args, f"actor.model_path={tiny_family_dir('qwen3_5_moe')}"]) == 2  # past the model, on to the data
     assert "config error: data.train_files" in capsys.readouterr().err
+
+
+def test_a_variants_own_settings_are_a_map_checked_against_its_function(monkeypatch, tmp_path):
+    """Guards against a variant's setting that needs the config module edited, and against a misspelled one reaching
+    the loss or estimator as a TypeError at the first step: `key={...}` on the command line or a YAML map, each name
+    one of the function's own arguments, and whether an estimator learns at rollout.n=1 said by its table entry."""
+    import train_grpo
+
+    cfg = load_config(None, ["actor.policy_loss_kwargs={cap: 1e-3, mode: x}", "algorithm.adv_estimator_kwargs="])
+    assert cfg.actor.policy_loss_kwargs == {"cap": 1e-3, "mode": "x"} and cfg.algorithm.adv_estimator_kwargs == {}
+    (tmp_path / "c.yaml").write_text("algorithm:\n  adv_estimator_kwargs: {floor: 0.5}\n")
+    assert load_config(str(tmp_path / "c.yaml")).algorithm.adv_estimator_kwargs == {"floor": 0.5}
+    with pytest.raises(ConfigError, match=r"actor\.policy_loss_kwargs: expected a map like \{name: value\}"):
+        load_config(None, ["actor.policy_loss_kwargs=[1, 2]"])
+    with pytest.raises(ConfigError, match="_grpo_advantages takes no argument 'floor'; its own arguments: none"):
+        check_config(load_config(str(tmp_path / "c.yaml")), world_size=8)
+
+    def floored(scores, group_size, eps, floor):  # a batch-level estimator with a setting of its own, no default
+        return (scores - scores.mean()).clamp(min=floor)
+
+    monkeypatch.setitem(train_grpo.ADVANTAGE_ESTIMATORS, "floored", train_grpo.batch_level(floored))
+    chosen = ["algorithm.adv_estimator=floored", "rollout.n=1"]
+    with pytest.raises(ConfigError, match=r"floored needs its argument 'floor' \(its own arguments: floor\)"):
+        check_config(load_config(None, chosen), world_size=8)
+    check_config(load_config(None, [*chosen, "algorithm.adv_estimator_kwargs={floor: -1}"]), world_size=8)
+    adv = train_grpo.compute_advantages(torch.tensor([0.0, 1.0, 5.0]), 1, "floored", floor=-0.5)
+    assert adv.tolist() == [-0.5, -0.5, 3.0]

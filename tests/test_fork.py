@@ -1,6 +1,8 @@
 """A researcher's fork, as one is written: a new advantage estimator added at the end of train_grpo.py's code and
-registered in ADVANTAGE_ESTIMATORS, and nothing else. It must compute, pass the config check and the dry run, and
-leave the docs' tests green: the suite checks behaviour, never the loop file's size."""
+registered in ADVANTAGE_ESTIMATORS, a loss with a setting of its own, statistics of its own recorded in
+collect_rollouts (one line each) and a folder of its own, and nothing else. It must compute, pass the config check
+and the dry run, train with its statistics and settings, and leave the docs' tests green: the suite checks
+behaviour, never the loop file's size."""
 
 import importlib.util
 import shutil
@@ -70,11 +72,37 @@ def _median_centred_advantages(scores, group_size, eps):
 # the parametrised tests read this table, so nothing else needs to change.
 ADVANTAGE_ESTIMATORS["median_centred"] = _median_centred_advantages
 ADVANTAGE_ESTIMATORS["median"] = _median_advantages
+
+
+def _cispo_loss(logp, old_logp, advantages, clip_low, clip_high, clip_dual, mask, is_cap=5.0):
+    """CISPO (https://arxiv.org/abs/2506.13585): no token's gradient is clipped away; its importance weight is capped
+    at `is_cap` (its own setting: actor.policy_loss_kwargs={is_cap: ...}) and held constant. Returns (loss (B, T),
+    capped (B, T): the tokens whose weight the cap cut)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (B, T)
+    weight = ratio.clamp(max=is_cap).detach()  # (B, T)
+    return -advantages * weight * logp, ratio > is_cap
+
+
+POLICY_LOSSES["cispo"] = _cispo_loss
 '''
 
 
+# a rollout statistic and a count of the fork's own, each one line where it is computed (inserted after ANCHOR)
+ANCHOR = '        timings["time/reward"] += time.perf_counter() - t0\n'
+ROLLOUT_LINES = """\
+        stats.count("rollout/fork_answers", len(batch_samples))  # answers sampled this step, over all ranks
+        stats.count("rollout/fork_rank_count", rank + 1)  # 1 on rank 0, 2 on rank 1: the step's total is 3
+"""
+
+
+MY_REWARD = """def score(response, ground_truth):
+    return float(response.strip() == ground_truth.strip())
+"""
+
+
 def forked_tree(tmp_path) -> Path:
-    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py."""
+    """A copy of the repository's tracked files with FORK added after the last definition of train_grpo.py,
+    ROLLOUT_LINES in collect_rollouts and a folder of its own, my_task/."""
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     tree = tmp_path / "fork"
     for name in files:
@@ -83,20 +111,31 @@ def forked_tree(tmp_path) -> Path:
             shutil.copy2(REPO / name, tree / name)
     loop = tree / "train_grpo.py"
     text = loop.read_text()
+    assert text.count(ANCHOR) == 1
+    text = text.replace(ANCHOR, ANCHOR + ROLLOUT_LINES)
     guard = text.rindex('\nif __name__ == "__main__":')
     loop.write_text(text[:guard].rstrip("\n") + "\n" + FORK + "\n" + text[guard:])
+    (tree / "my_task").mkdir()  # a folder of the fork's own, as docs/reward.md's example makes one
+    (tree / "my_task" / "reward.py").write_text(MY_REWARD)
     subprocess.run(["git", "init", "-q"], cwd=tree, check=True)  # a fork is a clone: the docs' tests read git's files
     subprocess.run(["git", "add", "-A"], cwd=tree, check=True)
     assert len(FORK.strip("\n").splitlines()) >= 50  # the size of a variant with its helpers and comments
     return tree
 
 
+@pytest.fixture(scope="module")
+def fork_tree(tmp_path_factory) -> Path:
+    return forked_tree(tmp_path_factory.mktemp("fork"))
+
+
 def test_a_forked_estimator_computes_passes_the_dry_run_and_the_docs_tests(
-    tmp_path, tiny_model_dir, monkeypatch, capsys
+    fork_tree, tmp_path, tiny_model_dir, monkeypatch, capsys
 ):
-    """Guards against a layout that fights a fork: a test that fails on the loop file's length, a config check that
-    knows only the shipped estimators, a dry run that refuses the new key."""
-    tree = forked_tree(tmp_path)
+    """Guards against a layout that fights a fork: a test that fails on the loop file's length or on a folder of the
+    fork's own (the layout table's test once asked it to name my_task/), a config check that knows only the shipped
+    estimators and losses, a dry run that refuses the new keys or passes a misspelled setting of the loss's own (it
+    would end the first step with a TypeError, after the models loaded)."""
+    tree = fork_tree
     spec = importlib.util.spec_from_file_location("train_grpo_fork", tree / "train_grpo.py")
     fork = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fork)
@@ -112,13 +151,48 @@ def test_a_forked_estimator_computes_passes_the_dry_run_and_the_docs_tests(
     monkeypatch.setattr(fork, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
     monkeypatch.chdir(REPO)
     argv = ["configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", f"data.train_files={data}",
-            f"data.val_files={data}", "algorithm.adv_estimator=median", "--dry-run"]  # fmt: skip
+            f"data.val_files={data}", "algorithm.adv_estimator=median", "actor.policy_loss=cispo",
+            "actor.policy_loss_kwargs={is_cap: 0.5}", "--dry-run"]  # fmt: skip
     assert fork.main(argv) == 0
     capsys.readouterr()
+    # the loss's own setting misspelled: refused, naming the arguments the function takes
+    assert fork.main([*argv[:-2], "actor.policy_loss_kwargs={is_cpa: 0.5}", "--dry-run"]) == 2
+    assert "actor.policy_loss_kwargs: _cispo_loss takes no argument 'is_cpa'; its own arguments: is_cap" in (
+        capsys.readouterr().err
+    )
     # an estimator nobody registered is still refused, naming the valid ones
-    assert fork.main([*argv[:-2], "algorithm.adv_estimator=mean_of_medians", "--dry-run"]) == 2
+    assert fork.main([*argv[:-4], "algorithm.adv_estimator=mean_of_medians", "--dry-run"]) == 2
     assert "'grpo_passk', 'median_centred', 'median']" in capsys.readouterr().err
 
     docs = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py"],
                           cwd=tree, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert docs.returncode == 0, docs.stdout[-3000:]
+
+
+def test_a_fork_trains_with_its_own_statistics_and_settings(fork_tree, tmp_path, tiny_model_dir):
+    """Guards against a statistic a fork records in the rollout that never reaches metrics.jsonl (the rollout's
+    statistics were logged only under online filtering), against a count logged as rank 0's figure rather than the
+    step's total (1 and 2 logged as 1), and against a loss's own setting from the command line that never reaches
+    the loss (it once needed a config field and two signatures edited). Two ranks, a step of the forked loop with
+    its estimator and its loss."""
+    import json
+
+    from tests.launch import torchrun
+
+    data = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=32, seed=0)
+    out = tmp_path / "run"
+    torchrun(
+        2, str(fork_tree / "train_grpo.py"), "configs/tiny.yaml", "rollout.engine=hf",
+        f"actor.model_path={tiny_model_dir}", f"data.train_files={data}", "data.val_files=",
+        f"trainer.output_dir={out}", "trainer.max_steps=1",
+        "data.rollout_batch_size=8", "actor.global_batch_size=8", "rollout.n=4", "algorithm.adv_estimator=median",
+        "actor.policy_loss=cispo", "actor.policy_loss_kwargs={is_cap: 0.5}",
+    )  # fmt: skip
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    for r in rows:
+        assert r["rollout/fork_answers"] == 8 * 4  # the step's 8 prompts x 4 answers, both ranks' together
+        assert r["rollout/fork_rank_count"] == 3
+        assert r["rollout/prompts_drawn"] == 8  # the rollout's own statistics too, without online filtering
+        # one on-policy update: every ratio is 1, which a cap of 0.5 cuts (the default cap of 5 would cut none)
+        assert r["actor/clip_frac"] == pytest.approx(1.0)
