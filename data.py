@@ -382,7 +382,7 @@ class PromptDataset:
         # A row's text is text: the model's special tokens written in it would become image slots (the processor
         # then fails at the rollout that draws the row) or turn boundaries (the row rewrites its chat). Such a row
         # is skipped at load (docs/data.md says why not encoded as text); the config's own texts must be clean.
-        specials = special_tokens(processor.tokenizer)
+        specials = [t for t in special_tokens(processor.tokenizer) if t not in MARKS]  # (the trainer's own marks)
         self.specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         for key, text in (("data.system_prompt", system_prompt), ("data.format_prompt", self.template and
                           self.template.render(content=""))):  # fmt: skip

@@ -121,7 +121,7 @@ def load_model(path, device, attn_implementation, gradient_checkpointing=False, 
         use_packed_forward(model)
     text_after_vision_continues(model)
     use_varlen_in_vision_tower(model)
-    forbid_sampling(model, vision_token_ids(AutoTokenizer.from_pretrained(path), family(model).vision_tokens))
+    forbid_sampling(model, never_sampled(model, AutoTokenizer.from_pretrained(path)))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -306,6 +306,14 @@ def _recompute_buffers(model, device):
         fresh = type(module)(module.config)
         for b in buffers:
             setattr(module, b, getattr(fresh, b).to(device=device, dtype=getattr(module, b).dtype))
+
+
+def never_sampled(model, tokenizer) -> list[int]:
+    """The ids both engines forbid (samples.vision_token_ids of the checkpoint's tokenizer), with the config's own
+    vision token ids: a checkpoint saved without a tokenizer (a bench's) loads an empty one, and still has those."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    ids = {getattr(model.config, k, None) for k in keys} - {None}
+    return sorted(ids | set(vision_token_ids(tokenizer, family(model).vision_tokens)))
 
 
 def load_sharded(path, device, attn_implementation, gradient_checkpointing=False, dtype=torch.float32, offload=False,
