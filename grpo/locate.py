@@ -46,7 +46,8 @@ from grpo.samples import SamplingParams
 # on the tiny models (docs/algorithm.md, "Where engine and trainer part"): an fp32 engine against the fp32 trainer
 # stays below 1e-5 in every module; a bf16 engine (Qwen3.5's on CPU) against fp32 below 5e-2.
 NOISE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.1}
-ROUTE_NOISE = {torch.float32: 0.0, torch.bfloat16: 0.1, torch.float16: 0.1}  # share of tokens routed otherwise
+# the share of tokens routed to other experts that rounding alone gives: where two experts' logits nearly tie
+ROUTE_NOISE = {torch.float32: 0.02, torch.bfloat16: 0.1, torch.float16: 0.1}
 
 COMPARED = re.compile(
     r"model\.visual\.(blocks\.\d+|merger|deepstack_merger_list\.\d+)|model\.language_model\.(layers\.\d+|norm)"
@@ -82,7 +83,7 @@ def _is_router(name: str) -> bool:
     return bool(moe.ROUTER.search(name))
 
 
-def trainer_outputs(model, prompt, answer, pad_id: int, top_k: int) -> tuple[dict, list[str]]:
+def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]]:
     """The trainer's outputs of compared_modules over prompt + answer, as forward_logprobs computes them (one no-grad
     forward, collective under FSDP2), and the modules' names in the order they ran. Rows as in the module docstring;
     `lm_head`: the last position's logits."""
@@ -177,13 +178,13 @@ def relative_difference(t: torch.Tensor, e: torch.Tensor) -> tuple[float, float]
 
 def compare(trainer: dict, engine: dict, order: list[str], dtype) -> list[dict]:
     """One row per module, in the trainer's order: module, max, mean, departs, and a note when the two are not
-    comparable (a module the engine did not run, or other shapes: either is a departure)."""
+    comparable (other shapes: a departure; a module the engine did not run: departs None, unknown)."""
     rows = []
     for name in order:
         t, e, note = trainer[name], engine.get(name), ""
         if e is None:
             mx = mean = float("nan")
-            note = f"the engine's {engine_name(name)} did not run (CUDA graphs or torch.compile: enforce_eager)"
+            note = "the engine ran it in a CUDA graph or compiled, or not at all"
         elif _is_router(name):
             e = e[: len(t)]
             differ = (e.sort(-1).values != t.sort(-1).values).any(-1).float() if e.shape == t.shape else None
@@ -198,12 +199,19 @@ def compare(trainer: dict, engine: dict, order: list[str], dtype) -> list[dict]:
             else:
                 mx, mean = relative_difference(t, e)
         bound = (ROUTE_NOISE if _is_router(name) else NOISE)[dtype]
-        rows.append({"module": name, "max": mx, "mean": mean, "departs": not mx <= bound, "note": note})
+        departs = None if e is None else not mx <= bound  # None: unknown
+        rows.append({"module": name, "max": mx, "mean": mean, "departs": departs, "note": note})
     return rows
 
 
 def first_divergence(rows: list[dict]) -> str:
-    return next((r["module"] for r in rows if r["departs"]), "none")
+    """The first module that departs; `unknown` when the engine did not run one before it (nothing to compare)."""
+    for r in rows:
+        if r["departs"] is None:
+            return f"unknown (the engine's {engine_name(r['module'])} recorded nothing: rollout.enforce_eager=true)"
+        if r["departs"]:
+            return r["module"]
+    return "none"
 
 
 def locate(engine, model, prompt, answer, pad_id: int) -> list[dict]:
@@ -211,7 +219,7 @@ def locate(engine, model, prompt, answer, pad_id: int) -> list[dict]:
     the same sequence (a forward of the FSDP2 model; the engine's TP group submits it together)."""
     text = model.config.get_text_config()
     top_k = getattr(text, "num_experts_per_tok", 1)
-    trainer, order = trainer_outputs(model, prompt, answer, pad_id, top_k)
+    trainer, order = trainer_outputs(model, prompt, answer, pad_id)
     engine_out = engine_outputs(engine, prompt, answer, order, top_k)
     dtype = torch.bfloat16 if torch.bfloat16 in (engine.dtype, next(model.parameters()).dtype) else engine.dtype
     if logprobs.compute_device(model).type == "cuda":  # FSDP2 computes in bf16 there (loading.mixed_precision)
@@ -219,13 +227,62 @@ def locate(engine, model, prompt, answer, pad_id: int) -> list[dict]:
     return compare(trainer, engine_out, order, dtype)
 
 
-def format_report(rows: list[dict], title: str = "") -> str:
-    """The table, then `first divergence: <module>`."""
+def format_report(rows: list[dict], title: str = "", label: str = "first divergence") -> str:
+    """The table, then `<label>: <module>`."""
     width = max([len(r["module"]) for r in rows] + [6])
     lines = [title] if title else []
     lines.append(f"{'module':<{width}}  {'max rel':>9}  {'mean rel':>9}  departs")
     for r in rows:
-        departs = ("YES" if r["departs"] else "no") + (f"  ({r['note']})" if r["note"] else "")
+        departs = {True: "YES", False: "no", None: "?"}[r["departs"]] + (f"  ({r['note']})" if r["note"] else "")
         lines.append(f"{r['module']:<{width}}  {r['max']:>9.2e}  {r['mean']:>9.2e}  {departs}")
-    lines.append(f"first divergence: {first_divergence(rows)}")
+    lines.append(f"{label}: {first_divergence(rows)}")
     return "\n".join(lines)
+
+
+def report_prompts(cfg, processor, dataset=None) -> dict:
+    """modality -> a Prompt for the report: the first text-only, image and video prompt of `dataset`
+    (data.PromptDataset, or None), and a synthetic one for each modality it lacks (a drawn line, random frames; a
+    video only where the engine takes videos), under the config's pixel and frame bounds, which the processor must
+    already have (PromptDataset sets them; media.set_pixel_range, video.set_video_range)."""
+    from types import SimpleNamespace
+
+    from PIL import Image, ImageDraw
+
+    from grpo import video
+    from grpo.media import fit_image, image_side
+    from grpo.samples import encode_prompt
+
+    found = {}
+    for i in range(len(dataset) if dataset is not None else 0):
+        kind = "video" if dataset.video_sources[i] else "image" if dataset.image_sources[i] else "text"
+        if kind not in found:
+            found[kind] = encode_prompt(processor, dataset[i])
+        if len(found) == 3:
+            break
+    d, side = cfg.data, image_side(processor.image_processor)
+    g = torch.Generator().manual_seed(0)
+    for kind in ("text", "image", "video"):
+        if kind in found or (kind == "video" and not cfg.rollout.max_videos_per_prompt):
+            continue
+        images, videos = [], []
+        if kind == "image":
+            image = Image.new("RGB", (300, 200), "white")
+            ImageDraw.Draw(image).line((0, 0, 250, 150), fill="black", width=5)
+            images = [fit_image(image, d.min_pixels, d.max_pixels, side)]
+        if kind == "video":
+            frames = [Image.fromarray(torch.randint(0, 256, (96, 128, 3), generator=g, dtype=torch.uint8).numpy())
+                      for _ in range(4)]  # fmt: skip
+            videos = [video.load_video(frames, d.video_fps, d.max_frames, d.video_min_pixels, d.video_max_pixels, side)]
+        content = [{"type": "image"}] * len(images) + [{"type": "video"}] * len(videos)
+        content.append({"type": "text", "text": "What is in the figure? Answer with one number."})
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        found[kind] = encode_prompt(processor, SimpleNamespace(prompt=text, images=images, videos=videos))
+    return {kind: found[kind] for kind in ("image", "video", "text") if kind in found}
+
+
+def merged_first_divergence(reports: list[list[dict]]) -> str:
+    """The earliest, in the order the trainer runs its modules, of the reports' first divergences."""
+    firsts = [first_divergence(rows) for rows in reports]
+    order = max(([r["module"] for r in rows] for rows in reports), key=len, default=[])
+    named = [f for f in firsts if f in order]
+    return min(named, key=order.index) if named else next((f for f in firsts if f != "none"), "none")
