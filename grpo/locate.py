@@ -42,10 +42,10 @@ from grpo import batching, logprobs, moe
 from grpo.routing import engine_logits, with_answer
 from grpo.samples import SamplingParams
 
-# The largest per-row relative difference that rounding alone gives, by the coarser dtype of the two sides. Measured
-# on the tiny models (docs/algorithm.md, "Where engine and trainer part"): an fp32 engine against the fp32 trainer
-# stays below 1e-5 in every module; a bf16 engine (Qwen3.5's on CPU) against fp32 below 5e-2.
-NOISE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.1}
+# Above the largest per-row relative difference that rounding alone gives, by the coarser dtype of the two sides.
+# Measured on the tiny models (docs/algorithm.md, "Where engine and trainer part"): an fp32 engine against the fp32
+# trainer stays below 1.1e-6 in every module; Qwen3.5's bf16 engine on CPU against the fp32 trainer below 8.5e-3.
+NOISE = {torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.05}
 # the share of tokens routed to other experts that rounding alone gives: where two experts' logits nearly tie
 ROUTE_NOISE = {torch.float32: 0.02, torch.bfloat16: 0.1, torch.float16: 0.1}
 

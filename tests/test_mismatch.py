@@ -418,3 +418,45 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
         assert all(r["rollout/is_clipped_frac"] < 0.01 for r in rows)
     if name == "sequence":  # sequence weights spread with the summed noise: some are truncated at 2
         assert all(0 < r["rollout/is_clipped_frac"] < 0.5 and r["rollout/is_ess"] < 0.99 for r in rows)
+
+
+# The module each corruption of tests/locate_check.py scales in the engine only, per prompt: where locate must say the
+# engine and the trainer part (the vision tower does not run on a text prompt)
+LOCATED = {
+    "clean": dict.fromkeys(("image", "video", "text"), "none"),
+    "layer": dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1"),
+    "vision": {"image": "model.visual.blocks.0", "video": "model.visual.blocks.0", "text": "none"},
+    "norm": dict.fromkeys(("image", "video", "text"), "model.language_model.norm"),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
+    """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
+    with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
+    MLP x 30, the final norm's gain x 3: corruptions that train on under the guard, a mismatch KL of 0.004-0.006 at
+    the first two) the report names that module, as the trainer names it, on every prompt that runs it; a clean
+    engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6; Qwen3.5's
+    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more."""
+    from grpo.locate import NOISE
+    from tests.launch import torchrun
+
+    out = tmp_path / "locate.json"
+    torchrun(1, "tests/locate_check.py", tiny_family_dir(family), str(out))
+    result = json.loads(out.read_text())
+    bound = NOISE[torch.bfloat16 if family == "qwen3_5" else torch.float32]
+    for case, expected in LOCATED.items():
+        assert case == "clean" or result[case]["scaled"], case  # the corruption reached a tensor of the family's
+        for kind, module in expected.items():
+            report = result[case][kind]
+            assert report["first"] == module, (case, kind, report)
+            rows = {r["module"]: r for r in report["rows"]}
+            if case == "clean":
+                assert all(r["max"] <= bound / 4 for r in rows.values()), rows
+            elif module != "none":
+                assert rows[module]["max"] >= 5 * bound, (case, kind, rows[module])
+    # the vision modules are compared on image and video prompts, with Qwen3-VL's deepstack mergers, and not on text
+    assert "model.visual.merger" in {r["module"] for r in result["clean"]["video"]["rows"]}
+    assert not any(r["module"].startswith("model.visual.") for r in result["clean"]["text"]["rows"])
+    if family == "qwen3_vl":
+        assert "model.visual.deepstack_merger_list.1" in {r["module"] for r in result["clean"]["image"]["rows"]}
