@@ -286,3 +286,24 @@ def merged_first_divergence(reports: list[list[dict]]) -> str:
     order = max(([r["module"] for r in rows] for rows in reports), key=len, default=[])
     named = [f for f in firsts if f in order]
     return min(named, key=order.index) if named else next((f for f in firsts if f != "none"), "none")
+
+
+def in_run(engine, model, pad_id: int):
+    """The report as the loop's start guard runs it (mismatch.check_start's `locate`): (prompt, answer) -> locate()'s
+    rows, with the engine woken for it and put back to sleep; None for an engine that is not vLLM (the HF engine
+    samples with the trainer's own model). An engine whose level-2 sleep discarded its weights gets them again by a
+    sync first, which reproduces what the sync gave it (not what went bad after one)."""
+    inner = getattr(engine, "engine", engine)  # (the tool loop's engine: plain requests)
+    if getattr(inner, "llm", None) is None:
+        return None
+
+    def run(prompt, answer):
+        inner.wake()
+        if inner.sleep_level == 2:
+            inner.sync_weights(model)
+        try:
+            return locate(inner, model, prompt, answer, pad_id)  # (the trainer's forward first: the engine's
+        finally:  # request may move the trainer's state to host memory, which its sleep brings back)
+            inner.sleep()
+
+    return run

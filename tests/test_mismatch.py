@@ -228,6 +228,41 @@ def test_guard_leaves_tool_turns_out_and_still_sees_the_models_tokens(one_rank_g
         check_start([off], [sample], prompts, 0.01, 1)
 
 
+def test_guard_names_where_engine_and_trainer_part_on_the_worst_answer(one_rank_group, capsys):
+    """Guards against a guard that stops a run without saying where the engine and the trainer part, or that asks on
+    another answer than the one that tripped it: check_start hands its `locate` the worst prompt of the modality
+    (by its answers' mismatch KL) with that prompt's worst answer, never one with tool turns (whose images are not
+    the prompt's), prints the report's table and names its first divergence in the error."""
+    from types import SimpleNamespace
+
+    from grpo.mismatch import check_start
+    from rollout import Sample
+
+    prompts = [SimpleNamespace(image_grid_thw=torch.tensor([[1, 2, 2]]), input_ids=torch.ones(9)) for _ in range(2)]
+    turn = SimpleNamespace(start=1, input_ids=torch.tensor([7]))
+    samples = [
+        Sample(0, [1, 2], [-1.0, -1.0], "", False),  # prompt 0: off by 0.3 a token
+        Sample(1, [3, 4], [-1.0, -1.0], "", False),  # prompt 1: off by 0.5 and 1.0 a token, its worst plain answer 2
+        Sample(1, [5, 6], [-1.0, -1.0], "", False),
+        Sample(1, [7, 7, 8], [-1.0, 0.0, -1.0], "", False, turns=[turn]),  # off by 2 a token, with a tool turn
+    ]
+    trainer = [_t([-0.7, -0.7]), _t([-0.5, -0.5]), _t([0.0, 0.0]), _t([1.0, -1.0, 1.0])]
+    asked = []
+
+    def locate(prompt, answer):
+        asked.append((prompt, answer))
+        row = {"module": "model.visual.blocks.0", "max": 1e-7, "mean": 1e-8, "departs": False, "note": ""}
+        return [row, {**row, "module": "model.language_model.layers.1", "max": 0.6, "mean": 0.4, "departs": True}]
+
+    with pytest.raises(SystemExit, match=r"on that prompt: first divergence: model\.language_model\.layers\.1\. "):
+        check_start(trainer, samples, prompts, 0.01, 1, locate)
+    assert asked == [(prompts[1], [5, 6])]
+    out = capsys.readouterr().out
+    assert "worst image prompt" in out and re.search(
+        r"model\.language_model\.layers\.1 +6\.00e-01 +4\.00e-01 +YES", out
+    )
+
+
 def _watched(alg, trainer, engine, carried, mb_rows, *, step=3, stats=None):
     """Measure the micro-batches `mb_rows` (lists of row indices) of one optimizer step of image samples whose
     engine log-probs are `engine` and the trainer's `trainer`, each with carried[i] carried tokens, and ask the
@@ -343,6 +378,8 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert rows is None, log[-3000:]
     assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
     assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
+    # where engine and trainer part on that prompt: its pixels differ, so the vision tower's first block already does
+    assert "on that prompt: first divergence: model.visual.blocks.0." in log, log[-3000:]
     # said once, by rank 0, before torchrun's report of the failed ranks; no rank's traceback or failure line
     lines = log.splitlines()
     said = [i for i, line in enumerate(lines) if "engine/trainer mismatch: the image samples" in line]
