@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from grpo import linear_attention, mismatch, partial, preflight, replay, routing, sequence_parallel, turns
+from grpo import linear_attention, locate, mismatch, partial, preflight, replay, routing, sequence_parallel, turns
 from grpo.attention import OWN_PACKED_ATTENTION
 from grpo.batching import balance_over_ranks, collate, pack, plan_micro_batches, shared_prefix_parts, stack_padded
 from grpo.checkpoint import find_resume_checkpoint, load_checkpoint, save_adapter, save_checkpoint, save_hf
@@ -850,8 +850,10 @@ def main(argv=None):
         old_logps, ref_logps, teacher_logps = compute_old_and_ref_logprobs(
             model, ref_model, prompts, samples, cfg, ids, need_old or guard, teacher, timings
         )
-        if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts
-            mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard, step)
+        if guard:  # collective; stops every rank when the engine's log-probs show it saw other prompts, naming the
+            # module where the engine and the trainer part on the worst of them (grpo/locate.py)
+            where = locate.in_run(engine, model, pad_id)
+            mismatch.check_start(old_logps, samples, prompts, cfg.algorithm.mismatch_guard, step, where)
         old_logps = mismatch.engine_logps(samples) if cfg.algorithm.rollout_bypass else old_logps if need_old else None
         timings["time/logprobs"] = time.perf_counter() - t0
 

@@ -357,25 +357,31 @@ CAUSES = (
 )
 
 
-def check_start(old_logps, samples, prompts, bound, step) -> None:
+def check_start(old_logps, samples, prompts, bound, step, locate=None) -> None:
     """The guard of a run's first step (and the first after a resume): print each modality's mismatch, and stop
     every rank with a message when a prompt's answers together have a mismatch KL above `bound`
     (algorithm.mismatch_guard). Per prompt, not only per modality: one prompt whose image was lost among a hundred
     good ones moves the modality's mean by a hundredth. `old_logps` are the trainer's per-sample log-probs under the
-    weights that sampled. Collective: every rank decides on the same reduced figures."""
+    weights that sampled. `locate` (locate.in_run, or None): before it stops, where the engine and the trainer part
+    on the worst answer of the worst prompt (locate_worst), printed and named in the message. Collective: every rank
+    decides on the same reduced figures."""
     stats, groups = dict.fromkeys(STATS, 0.0), {}
-    for logp, s in zip(old_logps, samples):
+    for i, (logp, s) in enumerate(zip(old_logps, samples)):
         kind = modality(prompts[s.prompt_index])
         engine = torch.tensor(s.logprobs, dtype=logp.dtype)  # (T,)
         mask = torch.ones_like(engine)  # (T,)
         mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
         mask[: s.carried] = 0  # sampled under older weights (partial.py): this step's policy cannot judge them
         measure(logp[None], engine[None], mask[None], [kind], stats)
-        group = groups.setdefault(s.prompt_index, [kind, 0.0, 0])
-        group[1] += _gap(logp, engine, mask)[1].sum().item()
+        group = groups.setdefault(s.prompt_index, [kind, 0.0, 0, -math.inf, None])  # .., its worst answer's k3, index
+        kl = _gap(logp, engine, mask)[1].sum().item()
+        group[1] += kl
         group[2] += int(mask.sum().item())
+        mean = kl / max(mask.sum().item(), 1)
+        if not s.turns and not mean <= group[3]:  # (an answer with tool turns: its images are not the prompt's)
+            group[3:] = [mean if not math.isnan(mean) else math.inf, i]
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
-    for kind, kl_sum, tokens in groups.values():
+    for kind, kl_sum, tokens, *_ in groups.values():
         i = MODALITIES.index(kind)
         kl = kl_sum / max(tokens, 1)
         worst[i] = max(worst[i].item(), kl if not math.isnan(kl) else math.inf)  # NaN: garbage, past any bound
@@ -387,12 +393,40 @@ def check_start(old_logps, samples, prompts, bound, step) -> None:
            + ", ".join(f"{m} {kl:.2g} / {w:.2g}" for m, kl, w in present) + f"; guard {bound:g}")  # fmt: skip
     for m, kl, w in present:
         if w > bound:
+            where = ""
+            if locate is not None:  # (collective: every rank is here, on the same figures)
+                found = locate_worst(m, groups, samples, prompts, locate)
+                where = f" Where the engine and the trainer part on that prompt: {found}."
             raise Stop(
                 f"error: engine/trainer mismatch: the {m} samples of step {step} have a mismatch KL of {w:.3g} for "
                 f"their worst prompt ({kl:.3g} over all of them), above algorithm.mismatch_guard={bound:g}, which "
-                f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12). {CAUSES} Raise "
+                f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12).{where} {CAUSES} Raise "
                 f"algorithm.mismatch_guard, or 0 turns this check off."
             )
+
+
+def locate_worst(kind, groups, samples, prompts, locate) -> str:
+    """`first divergence: <module>` of the worst answer of the worst prompt of modality `kind` over all ranks (groups:
+    check_start's), from `locate` (prompt, answer) -> locate.py's rows, its table printed by rank 0. Collective: the
+    rank that holds that prompt sends it and the answer to every rank, and all run it (a forward of the FSDP2 model,
+    one request of the engine's TP group)."""
+    from grpo.locate import first_divergence, format_report
+
+    kl = {p: g[1] / max(g[2], 1) for p, g in groups.items() if g[0] == kind and g[4] is not None}
+    kl = {p: math.inf if math.isnan(v) else v for p, v in kl.items()}  # NaN: garbage, the worst
+    mine = max(((v, p, groups[p][4]) for p, v in kl.items()), default=(-math.inf, None, None))
+    figures = [None] * dist.get_world_size()
+    dist.all_gather_object(figures, mine[0])
+    owner = max(range(len(figures)), key=lambda r: figures[r])
+    if figures[owner] == -math.inf:
+        return "not located (every answer of those prompts has tool turns)"
+    sent = [(prompts[mine[1]], samples[mine[2]].response_ids) if dist.get_rank() == owner else None]
+    dist.broadcast_object_list(sent, src=owner)
+    prompt, answer = sent[0]
+    rows = locate(prompt, answer)
+    print0(format_report(rows, f"engine and trainer, module by module, on the worst {kind} prompt of the step "
+                               f"({len(prompt.input_ids)} tokens and an answer of {len(answer)}):"))  # fmt: skip
+    return f"first divergence: {first_divergence(rows)}"
 
 
 LATER_CAUSES = (

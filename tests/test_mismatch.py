@@ -228,6 +228,41 @@ def test_guard_leaves_tool_turns_out_and_still_sees_the_models_tokens(one_rank_g
         check_start([off], [sample], prompts, 0.01, 1)
 
 
+def test_guard_names_where_engine_and_trainer_part_on_the_worst_answer(one_rank_group, capsys):
+    """Guards against a guard that stops a run without saying where the engine and the trainer part, or that asks on
+    another answer than the one that tripped it: check_start hands its `locate` the worst prompt of the modality
+    (by its answers' mismatch KL) with that prompt's worst answer, never one with tool turns (whose images are not
+    the prompt's), prints the report's table and names its first divergence in the error."""
+    from types import SimpleNamespace
+
+    from grpo.mismatch import check_start
+    from rollout import Sample
+
+    prompts = [SimpleNamespace(image_grid_thw=torch.tensor([[1, 2, 2]]), input_ids=torch.ones(9)) for _ in range(2)]
+    turn = SimpleNamespace(start=1, input_ids=torch.tensor([7]))
+    samples = [
+        Sample(0, [1, 2], [-1.0, -1.0], "", False),  # prompt 0: off by 0.3 a token
+        Sample(1, [3, 4], [-1.0, -1.0], "", False),  # prompt 1: off by 0.5 and 1.0 a token, its worst plain answer 2
+        Sample(1, [5, 6], [-1.0, -1.0], "", False),
+        Sample(1, [7, 7, 8], [-1.0, 0.0, -1.0], "", False, turns=[turn]),  # off by 2 a token, with a tool turn
+    ]
+    trainer = [_t([-0.7, -0.7]), _t([-0.5, -0.5]), _t([0.0, 0.0]), _t([1.0, -1.0, 1.0])]
+    asked = []
+
+    def locate(prompt, answer):
+        asked.append((prompt, answer))
+        row = {"module": "model.visual.blocks.0", "max": 1e-7, "mean": 1e-8, "departs": False, "note": ""}
+        return [row, {**row, "module": "model.language_model.layers.1", "max": 0.6, "mean": 0.4, "departs": True}]
+
+    with pytest.raises(SystemExit, match=r"on that prompt: first divergence: model\.language_model\.layers\.1\. "):
+        check_start(trainer, samples, prompts, 0.01, 1, locate)
+    assert asked == [(prompts[1], [5, 6])]
+    out = capsys.readouterr().out
+    assert "worst image prompt" in out and re.search(
+        r"model\.language_model\.layers\.1 +6\.00e-01 +4\.00e-01 +YES", out
+    )
+
+
 def _watched(alg, trainer, engine, carried, mb_rows, *, step=3, stats=None):
     """Measure the micro-batches `mb_rows` (lists of row indices) of one optimizer step of image samples whose
     engine log-probs are `engine` and the trainer's `trainer`, each with carried[i] carried tokens, and ask the
@@ -343,6 +378,8 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert rows is None, log[-3000:]
     assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
     assert "algorithm.mismatch_guard=0.01" in log and "images or videos dropped" in log
+    # where engine and trainer part on that prompt: its pixels differ, so the vision tower's first block already does
+    assert "on that prompt: first divergence: model.visual.blocks.0." in log, log[-3000:]
     # said once, by rank 0, before torchrun's report of the failed ranks; no rank's traceback or failure line
     lines = log.splitlines()
     said = [i for i, line in enumerate(lines) if "engine/trainer mismatch: the image samples" in line]
@@ -418,3 +455,45 @@ def test_each_correction_learns_the_demo(name, tiny_model_dir, tmp_path):
         assert all(r["rollout/is_clipped_frac"] < 0.01 for r in rows)
     if name == "sequence":  # sequence weights spread with the summed noise: some are truncated at 2
         assert all(0 < r["rollout/is_clipped_frac"] < 0.5 and r["rollout/is_ess"] < 0.99 for r in rows)
+
+
+# The module each corruption of tests/locate_check.py scales in the engine only, per prompt: where locate must say the
+# engine and the trainer part (the vision tower does not run on a text prompt)
+LOCATED = {
+    "clean": dict.fromkeys(("image", "video", "text"), "none"),
+    "layer": dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1"),
+    "vision": {"image": "model.visual.blocks.0", "video": "model.visual.blocks.0", "text": "none"},
+    "norm": dict.fromkeys(("image", "video", "text"), "model.language_model.norm"),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
+    """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
+    with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
+    MLP x 30, the final norm's gain x 3: corruptions that train on under the guard, a mismatch KL of 0.004-0.006 at
+    the first two) the report names that module, as the trainer names it, on every prompt that runs it; a clean
+    engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6; Qwen3.5's
+    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more."""
+    from grpo.locate import NOISE
+    from tests.launch import torchrun
+
+    out = tmp_path / "locate.json"
+    torchrun(1, "tests/locate_check.py", tiny_family_dir(family), str(out))
+    result = json.loads(out.read_text())
+    bound = NOISE[torch.bfloat16 if family == "qwen3_5" else torch.float32]
+    for case, expected in LOCATED.items():
+        assert case == "clean" or result[case]["scaled"], case  # the corruption reached a tensor of the family's
+        for kind, module in expected.items():
+            report = result[case][kind]
+            assert report["first"] == module, (case, kind, report)
+            rows = {r["module"]: r for r in report["rows"]}
+            if case == "clean":
+                assert all(r["max"] <= bound / 4 for r in rows.values()), rows
+            elif module != "none":
+                assert rows[module]["max"] >= 5 * bound, (case, kind, rows[module])
+    # the vision modules are compared on image and video prompts, with Qwen3-VL's deepstack mergers, and not on text
+    assert "model.visual.merger" in {r["module"] for r in result["clean"]["video"]["rows"]}
+    assert not any(r["module"].startswith("model.visual.") for r in result["clean"]["text"]["rows"])
+    if family == "qwen3_vl":
+        assert "model.visual.deepstack_merger_list.1" in {r["module"] for r in result["clean"]["image"]["rows"]}
