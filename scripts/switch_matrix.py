@@ -53,13 +53,15 @@ SWITCHES = {
     "lora": Switch(("actor.lora_rank=8", "actor.lora_alpha=16")),
     # (partial rollouts train older tokens: decoupled PPO's weights against their recorded log-probs)
     "partial": Switch(("rollout.partial=true", "algorithm.rollout_is=token"), keys=("rollout.partial",)),
-    # groups whose answers hold no digit at all are dropped: about one in six at the start, so refills happen
+    # groups scoring 0 are dropped: on the digits reward about one in six at the start, so refills happen; on the
+    # tool task's most (the untrained model is rarely right), so it gets rounds enough to fill its batch
     "dynamic": Switch(
         (
             "algorithm.online_filtering=true",
             "algorithm.filter_key=overall",
             "algorithm.filter_low=0.0",
             "algorithm.filter_high=1.0",
+            "algorithm.max_filter_rounds=32",
         )
     ),  # fmt: skip
     "distill": Switch(("distill.coef=1.0",), teacher=True, keys=("distill.model_path", "distill.coef")),
