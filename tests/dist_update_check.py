@@ -13,8 +13,8 @@ The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a 
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
 each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
 TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out logprobs.add_vision_dummy.
-VIDEO=1 takes the video demo's prompts instead (a clip each). Rank 0 also saves the step's metrics reduced over ranks
-and each rank's vision tower patches.
+VIDEO=0,1,2,3 takes those prompts from the video demo's (a clip each) instead; among a step's overrides, for that step
+only. Rank 0 also saves the step's metrics reduced over ranks and each rank's vision tower patches.
 """
 
 import os
@@ -113,6 +113,8 @@ def main():
 def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     """One update_policy step from the checkpoint's weights with these overrides; rank 0 saves what it gives."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    video = next((o.split("=", 1)[1] for o in overrides if o.startswith("VIDEO=")), os.environ.get("VIDEO", ""))
+    overrides = [o for o in overrides if not o.startswith("VIDEO=")]
     # (the samples' engine log-probs are placeholder 0s, far from any model's: no mismatch guard)
     cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
                                         f"rollout.n={N}", f"actor.micro_batch_size={micro}",
@@ -124,10 +126,11 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
     text_only = [int(i) for i in os.environ.get("TEXT_ONLY", "").split(",") if i]
-    if os.environ.get("VIDEO"):
-        prompts = video_prompts(processor, os.path.dirname(os.path.abspath(out_path)))
-    else:
-        prompts = synthetic_prompts(processor, text_only)
+    prompts = synthetic_prompts(processor, text_only)
+    video = [int(i) for i in video.split(",") if i]
+    if video:
+        clips = video_prompts(processor, os.path.dirname(os.path.abspath(out_path)))
+        prompts = [clips[i] if i in video else p for i, p in enumerate(prompts)]
     samples, ref_logps = [], []
     for p in range(PROMPTS):
         for _ in range(N):

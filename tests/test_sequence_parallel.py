@@ -46,15 +46,52 @@ def test_head_rows_put_the_group_rows_back_in_order():
     assert torch.equal(torch.cat(gathered)[back], values)
 
 
-def test_assign_items_balances_patches():
-    """Guards against one rank encoding most of the pixels, or a rank's items not being one contiguous run."""
-    patches = [16, 16, 64, 16, 16, 16, 16]
-    owner = sp_mod.assign_items(patches, 2)
-    assert owner == sorted(owner)  # contiguous runs in rank order
-    loads = [sum(p for p, o in zip(patches, owner) if o == r) for r in range(2)]
-    assert loads == [96, 64]
-    assert sp_mod.assign_items([4], 2) == [1]  # one image: one rank encodes it, the other runs the blank one
-    assert sp_mod.assign_items([8, 8, 8, 8], 4) == [0, 1, 2, 3]
+def test_cut_items_balances_patches_and_cuts_clips_between_temporal_patches():
+    """Guards against one rank encoding most of the pixels (one long clip whole on one rank, as when the tower was
+    split by item), a rank's pieces not being one contiguous run in the forward's order, and a cut inside a temporal
+    patch (an image is one: it stays whole)."""
+    images = [[1, 4, 4], [1, 4, 4], [1, 8, 8], [1, 4, 4], [1, 4, 4], [1, 4, 4], [1, 4, 4]]  # (t, h, w)
+    pieces = sp_mod.cut_items(images, 2)
+    assert pieces == [[(0, 0, 1), (1, 0, 1), (2, 0, 1)], [(i, 0, 1) for i in range(3, 7)]]  # 96 and 64 patches
+    assert sp_mod.cut_items([[8, 4, 4]], 2) == [[(0, 0, 4)], [(0, 4, 4)]]  # one clip: half its temporal patches each
+    assert sp_mod.cut_items([[8, 4, 4]], 4) == [[(0, 2 * r, 2)] for r in range(4)]
+    # an image of 64 patches, then a clip of 6 x 16: the clip's first temporal patch on rank 0 with the image
+    assert sp_mod.cut_items([[1, 8, 8], [6, 4, 4]], 2) == [[(0, 0, 1), (1, 0, 1)], [(1, 1, 5)]]
+    assert sp_mod.cut_items([[1, 4, 4]], 2) == [[], [(0, 0, 1)]]  # one image: one rank encodes it, one the blank
+    assert sp_mod.cut_items([[3, 4, 4]], 4) == [[(0, 0, 1)], [], [(0, 1, 1)], [(0, 2, 1)]]  # fewer than the ranks
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_a_clip_cut_between_temporal_patches_encodes_as_whole(tiny_family_dir, family):
+    """Guards against the cut of a clip over a group changing its embeddings: each family's tower (Qwen2.5-VL's
+    windowed and full-attention blocks, with windows that do not tile the frame; Qwen3-VL's interpolated position
+    embeddings and deepstack mergers; Qwen3.5's) bounds attention, rotary and learned positions within a temporal
+    patch, so an image and a clip encoded in pieces under their own grid rows (t', h, w), as cut_items cuts them over
+    3 ranks, concatenate to the whole forward's encoding."""
+    from grpo import loading
+
+    model = loading.load_model(tiny_family_dir(family), torch.device("cpu"), "sdpa")
+    inner, vision = model.model, model.config.vision_config
+    grids = [[1, 6, 4], [5, 12, 20]]  # an image, then a clip of 5 temporal patches of 12 x 20 patches
+    patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), patch_dim, generator=torch.Generator().manual_seed(0))
+
+    def encode(rows, grid):  # (tokens, H x (1 + deepstack layers)): what encode_split gathers
+        out = type(inner).get_image_features(inner, pixels[rows], torch.tensor(grid), return_dict=True)
+        deep = getattr(out, "deepstack_features", None) or []
+        return torch.cat([torch.cat(out.pooler_output), *(torch.cat(f) for f in deep)], -1)
+
+    with torch.no_grad():
+        whole = encode(slice(None), grids)
+        pieces = sp_mod.cut_items(grids, 3)
+        assert len({(i, t0) for part in pieces for i, t0, _ in part}) == 4  # the clip in 3 pieces
+        parts, at = [], 0
+        for part in pieces:
+            n = sum(t * grids[i][1] * grids[i][2] for i, _, t in part)
+            parts.append(encode(slice(at, at + n), [[t, *grids[i][1:]] for i, _, t in part]))
+            at += n
+    assert whole.shape[-1] == 128 * (3 if family == "qwen3_vl" else 1)  # (the deepstack layers' features too)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
 
 
 def _all_to_all_and_gathers(rank):
