@@ -186,17 +186,28 @@ def _cut_input(module, args, kwargs):
     return args, kwargs
 
 
+def kv_repeats(kv_heads: int, size: int) -> int:
+    """How many times each key/value head is repeated before the all-to-all so that each of size ranks gets whole
+    key/value heads for its 1/size of the query heads: the fewest r with size dividing kv_heads x r,
+    size / gcd(kv_heads, size). (size divides the query heads, and so do the key/value heads: their lcm, kv_heads x r,
+    does too, and a repeated head still serves a contiguous run of query heads.) 1 when size divides them; for
+    4 key/value heads at size 8, 2: 8 heads sent where repeating up to the 32 query heads would send four times as
+    many."""
+    return size // math.gcd(kv_heads, size)
+
+
 def ulysses_attention(fn, module, query, key, value, attention_mask, **kwargs):
     """`fn` (a packed attention of attention.py) over the whole row for 1/size of the heads: query (1, Hq, L/size, D)
     and key/value (1, Hkv, L/size, D) of this rank's slice -> (1, L/size, Hq, D). Key/value heads that size does not
-    divide are repeated up to the query heads first: each rank needs whole key/value heads for its query heads."""
+    divide are repeated only as far as each rank needs whole ones for its query heads (kv_repeats)."""
     sp = kwargs["packed_layout"].sequence_parallel
     groups_kv = getattr(module, "num_key_value_groups", 1)
     if query.shape[1] % sp.size:
         raise ValueError(f"actor.sequence_parallel_size={sp.size} must divide the {query.shape[1]} attention heads")
-    if key.shape[1] % sp.size:
-        key, value = (t.repeat_interleave(groups_kv, dim=1) for t in (key, value))
-        groups_kv = 1
+    repeats = kv_repeats(key.shape[1], sp.size)
+    if repeats > 1:  # (1, Hkv x repeats, L/size, D), each head beside its copies: query heads per head / repeats
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+        groups_kv //= repeats
     q, k, v = (all_to_all(t, 1, 2, sp.group) for t in (query, key, value))  # (1, heads / size, L, D)
     saved = getattr(module, "num_key_value_groups", None)
     if saved is not None:  # the query heads per key/value head this rank now holds

@@ -94,6 +94,15 @@ def test_a_clip_cut_between_temporal_patches_encodes_as_whole(tiny_family_dir, f
     torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_kv_repeats_only_as_far_as_the_group_needs():
+    """Guards against key/value heads repeated beyond what gives each rank whole heads for its query heads (all the
+    way up to the query heads: Qwen3-VL-30B-A3B's 4 at 8 ranks sent as 32), or not far enough (a rank without a
+    whole head)."""
+    assert [sp_mod.kv_repeats(4, k) for k in (1, 2, 4, 8)] == [1, 1, 1, 2]
+    assert [sp_mod.kv_repeats(1, k) for k in (2, 4)] == [2, 4]
+    assert sp_mod.kv_repeats(2, 4) == 2 and sp_mod.kv_repeats(4, 6) == 3 and sp_mod.kv_repeats(6, 4) == 2
+
+
 def _all_to_all_and_gathers(rank):
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(0)
@@ -142,8 +151,12 @@ def _ulysses(kind, rank):
     g = torch.Generator().manual_seed(1)
     length, d = 7, 4
     layout = PackedLayout([(0, 3, 0, 0), (3, 5, 0, 3), (5, 7, 0, 3)], length, "cpu")  # a prompt, two answers
-    for hq, hkv in ((2, 1), (4, 2)):  # key/value heads the group does not divide (repeated), and ones it does
+    exchange, sent = sp_mod.all_to_all, []  # the heads each all-to-all sends, recorded (this process only)
+    sp_mod.all_to_all = lambda x, *args: sent.append(x.shape[1]) or exchange(x, *args)
+    # key/value heads the group does not divide (repeated: up to the query heads, then only half as far), ones it does
+    for hq, hkv, kv_sent in ((2, 1, 2), (4, 1, 2), (4, 2, 2)):
         module = _Attention(hq // hkv)
+        sent.clear()
         q_all = torch.randn(1, hq, length, d, generator=g)
         k_all, v_all = torch.randn(2, 1, hkv, length, d, generator=g)
         w = torch.randn(1, length, hq, d, generator=g)
@@ -160,6 +173,7 @@ def _ulysses(kind, rank):
         mine = [pad(t)[:, :, start:end].detach().requires_grad_() for t in (q_all, k_all, v_all)]
         out, _ = sp_mod.ulysses_attention(fn, module, *mine, None, packed_layout=split, scaling=d**-0.5)
         assert module.num_key_value_groups == hq // hkv  # restored
+        assert sent[:3] == [hq, kv_sent, kv_sent] and kv_sent == hkv * sp_mod.kv_repeats(hkv, 2)
         real = min(end, length) - start
         torch.testing.assert_close(out[:, :real], ref[:, start : start + real])
         (out[:, :real] * w[:, start : start + real]).sum().backward()
@@ -169,6 +183,7 @@ def _ulysses(kind, rank):
             dist.all_gather(total, part.grad.contiguous())
             whole = torch.cat(total, 2)[:, :, :length]
             torch.testing.assert_close(whole, leaf.grad)
+    sp_mod.all_to_all = exchange
 
 
 def _collectives(rank):
@@ -184,7 +199,8 @@ def test_collectives_and_ulysses_attention_match_one_rank():
     keeps each rank's own. Ulysses attention, each rank with half of a packed row of a prompt and its two answers
     (shared prefix, padded to even), gives the output and query, key and value gradients of one rank's sdpa_packed,
     for grouped key/value heads fewer than the group (repeated) and as many, around the CPU attention and around the
-    CUDA one (its varlen kernel swapped for a CPU reference)."""
+    CUDA one (its varlen kernel swapped for a CPU reference); key/value heads repeated only as far as each rank needs
+    whole ones (one head for 4 query heads: 2 copies, not 4)."""
     spawn_ranks(_collectives)
 
 
@@ -196,3 +212,22 @@ def test_config_refuses_a_group_that_does_not_divide_the_ranks(size, world):
     cfg = load_config(None, [f"actor.sequence_parallel_size={size}", "rollout.engine=hf"])
     with pytest.raises(ConfigError, match="actor.sequence_parallel_size"):
         check_config(cfg, world)
+
+
+def test_a_group_that_does_not_divide_the_heads_stops_before_anything_loads(tiny_model_dir, monkeypatch, capsys):
+    """Guards against a group size that cannot cut the attention heads passing the checks and stopping at the first
+    training forward, after the load and a rollout: the dry run and the run both stop at the config, naming the key
+    and the model's heads (the tiny model's 2); a size that divides them goes on (here to the data's check)."""
+    from train_grpo import main
+
+    args = ["configs/tiny.yaml", f"actor.model_path={tiny_model_dir}", "trainer.n_gpus_per_node=4",
+            "data.train_files=configs", "data.val_files="]  # fmt: skip
+    said = "actor.sequence_parallel_size=4 must divide the attention heads (Ulysses gives each rank of a group whole "
+    said += f"heads): actor.model_path={tiny_model_dir!r} has 2 query heads"
+    assert main([*args, "actor.sequence_parallel_size=4", "--dry-run"]) == 2
+    assert said in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it: the run stops before its process group
+    assert main([*args, "actor.sequence_parallel_size=4"]) == 2
+    assert said in capsys.readouterr().err
+    assert main([*args, "actor.sequence_parallel_size=2"]) == 2
+    assert "config error: data.train_files" in capsys.readouterr().err
