@@ -599,8 +599,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
-    # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; the teacher is not
-    # cut, it runs the group's whole rows)
+    # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; a teacher's too,
+    # cut like the policy)
     def nograd_activations(m: ModelShape, tn: int) -> float:
         layer = e * tn * (4 * m.hidden + 3 * m.active_intermediate)
         tower = e * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
@@ -611,7 +611,8 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # the teacher runs last: every root stays gathered, beside its own block pair (its own width, its own head)
     teacher_gathered = 0
     if nt:
-        nograd = max(nograd, nograd_activations(x.teacher, x.nograd_tokens))
+        whole_teacher = 2 * e * x.nograd_tokens * x.teacher.hidden if x.sp > 1 else 0
+        nograd = max(nograd, whole_teacher + nograd_activations(x.teacher, math.ceil(x.nograd_tokens / x.sp)))
         teacher_gathered = 2 * nt["root"] + max(0, 2 * (nt["layer"] + max(nt["vision"], nt["layer"])) - 2 * pair)
     resident = {**states, "adam": 0} if x.offload_optimizer else states  # on the device outside optimizer steps
     awake = (x.vllm_bytes or x.vllm_util * x.gpu_bytes) if with_vllm else 0.0  # vLLM takes its share of the device

@@ -60,10 +60,12 @@ def check_paths(cfg) -> None:
     unsupported = unsupported_model(path, needs_experts=next((k for k, on in needs_experts.items() if on), None))
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
-    heads, sp = attention_heads(path), cfg.actor.sequence_parallel_size
-    if heads and heads % sp:  # else the first training forward stops, after the load and a rollout
-        raise ConfigError(f"actor.sequence_parallel_size={sp} must divide the attention heads (Ulysses gives each rank "
-                          f"of a group whole heads): actor.model_path={path!r} has {heads} query heads")  # fmt: skip
+    sp = cfg.actor.sequence_parallel_size
+    for key, model in (("actor.model_path", path), ("distill.model_path", cfg.distill.model_path)):  # (both are cut)
+        heads = attention_heads(model) if model else None
+        if heads and heads % sp:  # else the first training forward stops, after the load and a rollout
+            raise ConfigError(f"actor.sequence_parallel_size={sp} must divide the attention heads (Ulysses gives each "
+                              f"rank of a group whole heads): {key}={model!r} has {heads} query heads")  # fmt: skip
     teacher = cfg.distill.model_path
     if teacher:  # a teacher that is not there, or cannot score the policy's tokens (a hub id: once it is readable)
         if not os.path.exists(teacher) and not re.fullmatch(r"[\w][\w.-]*/[\w.-]+", teacher):
