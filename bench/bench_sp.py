@@ -10,8 +10,11 @@ processes. Memory is the process's resident set (/proc/self/statm), sampled ever
 the measured forward + backward, minus its value just before (after a short warm-up pass, so FSDP2's lazy setup
 and the thread pools are not counted), with glibc told to hand every allocation over 64 KiB straight back to the
 system (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once. The tiny model's weights are a
-few MB: what is measured is the activations. Prints each size's peak per rank (the larger of the two ranks) and,
-last, the ratio of size 2 to size 1.
+few MB: what is measured is the activations. Prints each size's peak per rank (the larger of the two ranks) beside the
+memory plan's activations per rank for the same sequence (planned_activations), and, last, the ratio of size 2 to
+size 1.
+
+    python bench/bench_sp.py --clips 1 --frames 64  # one long clip: cut between its temporal patches at size 2
 """
 
 import argparse
@@ -82,6 +85,23 @@ def video_sequence(config, clips, frames, side, response):
     return pack([prompt], [answer], config.image_token_id)
 
 
+def planned_activations(model_dir: str, tokens: int, size: int) -> float:
+    """The memory plan's activations per rank (grpo/memory_plan.py, the update phase's) for one sequence of `tokens`
+    at sequence-parallel `size`: the arithmetic of a GPU run's plan, in fp32 (4 bytes an element, as these CPU ranks
+    compute) and without gradient checkpointing, as measured here. The plan counts every token as a vision token."""
+    from grpo import memory_plan
+
+    shape = memory_plan.read_model_shape(model_dir)
+    # (what the activations do not depend on takes any value)
+    settings = memory_plan.Settings(
+        world=2, gpus_per_node=2, ranks_per_node=2, gpu_bytes=2**40, train_tokens=tokens, nograd_tokens=tokens,
+        checkpointing=False, freeze_vision=False, reference=False, ref_offload=False, engine="hf", vllm_util=0.0,
+        sleep_level=0, tp=1, seq_len=tokens, response_len=0, hf_rows=1, max_num_seqs=1, vllm_version="", sp=size,
+        act_bytes=4,
+    )  # fmt: skip
+    return memory_plan.compute_plan(shape, settings)["phases"]["update"]["activations"]
+
+
 def rank_main(rank, port, model_dir, size, args, out_dir):
     import torch
     import torch.distributed as dist
@@ -129,6 +149,7 @@ def main():
     from tests.launch import free_port
 
     tokens = args.clips * args.frames * args.side * args.side // 4
+    length = 3 + args.clips * (tokens // args.clips + 2) + 2 + args.response  # the packed row (video_sequence)
     print(f"one sequence: {args.clips} clips of {args.frames} x {args.side} x {args.side} patches, "
           f"{tokens:,} video tokens + {args.response} answer tokens; 2 ranks (gloo, FSDP2)")  # fmt: skip
     peaks = {}
@@ -139,8 +160,10 @@ def main():
             mp.start_processes(rank_main, args=ranks, nprocs=2, start_method="spawn")
             per_rank = [int(open(os.path.join(tmp, f"{size}_{r}")).read()) for r in range(2)]
             peaks[size] = max(per_rank)
+            plan = planned_activations(model_dir, length, size)
             print(f"sequence_parallel_size={size}: peak memory per rank {peaks[size] / 2**20:,.0f} MiB "
-                  f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in per_rank)} MiB)")  # fmt: skip
+                  f"(ranks: {', '.join(f'{p / 2**20:,.0f}' for p in per_rank)} MiB); the plan's activations "
+                  f"{plan / 2**20:,.0f} MiB ({plan / peaks[size] - 1:+.0%})")  # fmt: skip
     print(f"peak memory per rank, size 2 / size 1: {peaks[2] / peaks[1]:.2f}x")
 
 

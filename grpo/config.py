@@ -86,7 +86,8 @@ class ActorConfig:
     max_tokens_per_micro_batch_no_grad: int = 0  # token budget of the old/ref log-prob forwards; 0 = as above
     balance_ranks: bool = True  # with a token budget: move a few sequences so every rank has as many tokens
     # > 1: groups of this many ranks share each sequence of the training forward (Ulysses over the heads, the vision
-    # tower split by image; sequence_parallel.py); data parallelism is over the groups, token budgets count a group's
+    # tower split by temporal patch; sequence_parallel.py); data parallelism is over the groups, token budgets count a
+    # group's tokens; it must divide the ranks and the model's attention heads
     sequence_parallel_size: int = 1
     ppo_epochs: int = 1  # passes over each rollout batch
     lr: float = 1e-6

@@ -3,9 +3,10 @@
 The teacher (distill.model_path) is a checkpoint of a supported family with the policy's tokenizer and processor,
 held as the frozen reference is: an FSDP2 shard in the compute dtype (bf16 on GPU), no gradients, in host memory
 between its forwards with distill.offload (FSDP2's CPU offload, as actor.ref_offload does for the reference), moved
-off the GPU while the engine generates with actor.offload_params (offload.py). It may be larger than the policy (a
-Qwen3-VL-32B teaching a Qwen3-VL-8B): only the token ids and the images' patches must mean the same to both. With
-LoRA the teacher is a whole model beside the adapters' frozen base.
+off the GPU while the engine generates with actor.offload_params (offload.py), its rows cut over the ranks of a
+sequence-parallel group as the policy's are. It may be larger than the policy (a Qwen3-VL-32B teaching a
+Qwen3-VL-8B): only the token ids and the images' patches must mean the same to both. With LoRA the teacher is a
+whole model beside the adapters' frozen base.
 
 Its log-probs of the sampled answer tokens come from the same no-grad forward as the reference's
 (train_grpo.compute_old_and_ref_logprobs), at the rollout temperature as the policy's are. Each answer token's
@@ -100,8 +101,10 @@ def teacher_problem(policy_path: str, teacher_path: str) -> str | None:
 
 def load_teacher(distill, actor, device, pad_id):
     """The teacher, frozen and sharded as the reference is (loading.load_sharded: each rank reads its own shards),
-    past its first root forward; None when distill.model_path is empty. A teacher that cannot score the policy's
+    past its first root forward, its sequences cut over the policy's sequence-parallel groups as the policy's are;
+    None when distill.model_path is empty. A teacher that cannot score the policy's
     tokens (teacher_problem) stops here, also when the dry run could not read it (a hub id not yet downloaded)."""
+    from grpo import sequence_parallel
     from grpo.loading import load_sharded, mixed_precision, root_forward
 
     if not distill.model_path:
@@ -113,4 +116,7 @@ def load_teacher(distill, actor, device, pad_id):
     teacher = load_sharded(distill.model_path, device, actor.attn_implementation, dtype=dtype, offload=distill.offload)
     teacher.requires_grad_(False).eval()
     root_forward(teacher, pad_id)
+    # cut like the policy: under sequence parallelism each rank of a group runs its share of the group's rows (and of
+    # their images' patches), where the teacher, usually the larger model, needs the memory most
+    sequence_parallel.attach(teacher, actor.sequence_parallel_size)
     return teacher

@@ -510,6 +510,7 @@ class Settings:
     mm_cache_gb: float = 0.0  # rollout.mm_cache_gb: vLLM's cache of processed images and videos, host memory per rank
     sp: int = 1  # actor.sequence_parallel_size: ranks that share each micro-batch's tokens (and its images' patches)
     route_tokens: int = 0  # algorithm.routing_replay=r3: tokens whose routes a rank holds (its samples x seq_len)
+    act_bytes: int = 2  # bytes an activation element: 2 in bf16 (a GPU run); 4 in fp32 (bench/bench_sp.py on CPU)
 
 
 def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
@@ -567,47 +568,51 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
     # backward keeps (the experts' matmuls saved it) unless the layer is recomputed: one layer's, or every layer's
     adapted = 2 * 3 * s.experts * s.hidden * s.expert_intermediate if x.lora_rank and "experts" in x.lora_targets else 0
 
+    e = x.act_bytes  # 2: bf16
+
     def head(tokens, grad):  # one chunk's logits: bf16, fp32 upcast, /temperature, softmax (+ their grads backward)
         per_logit = 20 if grad else 14
-        return HEAD_CHUNK * s.vocab * per_logit + (4 if grad else 2) * tokens * s.hidden  # + the final hidden states
+        return HEAD_CHUNK * s.vocab * per_logit + (2 if grad else 1) * e * tokens * s.hidden  # + final hidden states
 
     # Activations of one training micro-batch (bf16, 2 B an element). Its images can have at most merge^2 patches per
     # LM token, all in the vision tower at once; the tower's blocks are checkpointed like the decoder layers.
-    # Sequence parallelism: a rank holds 1/sp of the tokens and encodes 1/sp of the patches (sequence_parallel.py),
+    # Sequence parallelism: a rank holds 1/sp of the tokens and encodes 1/sp of the patches, a long clip's too (the
+    # tower split by temporal patch, sequence_parallel.py: to within one temporal patch; an image is never cut),
     # beside the whole row's merged embeddings and the group's gathered vision embeddings, before the cut (bf16)
-    whole = 2 * 2 * x.train_tokens * s.hidden if x.sp > 1 else 0
+    whole = 2 * e * x.train_tokens * s.hidden if x.sp > 1 else 0
     t, patches = math.ceil(x.train_tokens / x.sp), math.ceil(x.train_tokens / x.sp) * s.merge**2
     # (an MoE token's activations are those of its top-k experts: the MLP width it goes through)
     lm_kept, lm_extra = layer_elems(s.hidden, kv, s.active_intermediate, x.checkpointing, rope=2 * s.dim)
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
-    vis_saved = 0 if frozen_tower else 2 * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
-    lm_saved = 2 * t * lm_kept * s.layers
+    vis_saved = 0 if frozen_tower else e * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
+    lm_saved = e * t * lm_kept * s.layers
     # Gradients in flight: the root's (bf16) live through the whole backward, beside the bf16 gradients of the unit
     # whose backward runs and the fp32 copy FSDP2 reduce-scatters them in (MixedPrecisionPolicy reduce_dtype).
     # The peak is at the top of the LM's backward (every layer's saved activations, and the head or one layer's
     # backward) or later at the vision tower's (the LM's activations are freed by then): (grads, activations).
     # (With LoRA only the adapters have gradients: a frozen base still passes them down, so activations are the same.)
     top = (2 * trains["root"] + 6 * trains["layer"],
-           whole + lm_saved + vis_saved + max(head(t, True), 2 * t * lm_extra))  # fmt: skip
-    bottom = (2 * trains["root"] + 6 * trains["vision"], whole + vis_saved + 2 * patches * vis_extra)
+           whole + lm_saved + vis_saved + max(head(t, True), e * t * lm_extra))  # fmt: skip
+    bottom = (2 * trains["root"] + 6 * trains["vision"], whole + vis_saved + e * patches * vis_extra)
     unit_grads, activations = top if frozen_tower or sum(top) >= sum(bottom) else bottom
 
     # The no-grad log-prob forwards: residual stream in and out plus the MLP's gate, up and product of one layer at a
     # time (or one vision block's), and a chunk of the head. Policy and reference run in turn and FSDP2 leaves both
     # roots gathered after a forward without backward, until the phase reshards them.
-    # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; the teacher is not
-    # cut, it runs the group's whole rows)
+    # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; a teacher's too,
+    # cut like the policy)
     def nograd_activations(m: ModelShape, tn: int) -> float:
-        layer = 2 * tn * (4 * m.hidden + 3 * m.active_intermediate)
-        tower = 2 * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
-        return max(layer, tower) + HEAD_CHUNK * m.vocab * 14 + 2 * tn * m.hidden  # + a chunk of its head, no grad
+        layer = e * tn * (4 * m.hidden + 3 * m.active_intermediate)
+        tower = e * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
+        return max(layer, tower) + HEAD_CHUNK * m.vocab * 14 + e * tn * m.hidden  # + a chunk of its head, no grad
 
-    whole_nograd = 2 * 2 * x.nograd_tokens * s.hidden if x.sp > 1 else 0
+    whole_nograd = 2 * e * x.nograd_tokens * s.hidden if x.sp > 1 else 0
     nograd = whole_nograd + nograd_activations(s, math.ceil(x.nograd_tokens / x.sp))
     # the teacher runs last: every root stays gathered, beside its own block pair (its own width, its own head)
     teacher_gathered = 0
     if nt:
-        nograd = max(nograd, nograd_activations(x.teacher, x.nograd_tokens))
+        whole_teacher = 2 * e * x.nograd_tokens * x.teacher.hidden if x.sp > 1 else 0
+        nograd = max(nograd, whole_teacher + nograd_activations(x.teacher, math.ceil(x.nograd_tokens / x.sp)))
         teacher_gathered = 2 * nt["root"] + max(0, 2 * (nt["layer"] + max(nt["vision"], nt["layer"])) - 2 * pair)
     resident = {**states, "adam": 0} if x.offload_optimizer else states  # on the device outside optimizer steps
     awake = (x.vllm_bytes or x.vllm_util * x.gpu_bytes) if with_vllm else 0.0  # vLLM takes its share of the device

@@ -60,6 +60,12 @@ def check_paths(cfg) -> None:
     unsupported = unsupported_model(path, needs_experts=next((k for k, on in needs_experts.items() if on), None))
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
+    sp = cfg.actor.sequence_parallel_size
+    for key, model in (("actor.model_path", path), ("distill.model_path", cfg.distill.model_path)):  # (both are cut)
+        heads = attention_heads(model) if model else None
+        if heads and heads % sp:  # else the first training forward stops, after the load and a rollout
+            raise ConfigError(f"actor.sequence_parallel_size={sp} must divide the attention heads (Ulysses gives each "
+                              f"rank of a group whole heads): {key}={model!r} has {heads} query heads")  # fmt: skip
     teacher = cfg.distill.model_path
     if teacher:  # a teacher that is not there, or cannot score the policy's tokens (a hub id: once it is readable)
         if not os.path.exists(teacher) and not re.fullmatch(r"[\w][\w.-]*/[\w.-]+", teacher):
@@ -76,6 +82,19 @@ def check_paths(cfg) -> None:
                 local_files(spec)  # raises for a missing local path, or a directory without data files
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"data.{key}: {e}") from None
+
+
+def attention_heads(path) -> int | None:
+    """The language model's query heads of the checkpoint at `path` (its config.json, or the known numbers of a hub
+    id), or None when it cannot be read without a download."""
+    from grpo.memory_plan import KNOWN_SHAPES, PlanError, read_model_shape
+
+    if path not in KNOWN_SHAPES and not _readable(path):
+        return None
+    try:
+        return read_model_shape(path).heads
+    except PlanError:  # not a config.json of a supported family: the model checks say so
+        return None
 
 
 def _readable(path) -> bool:

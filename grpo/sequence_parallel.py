@@ -13,10 +13,11 @@ What is cut, and where:
 - the LM head and log-probs: each rank keeps only the hidden states of its own slice (logits_to_keep), so the
   chunked head runs on its share; the (log-prob, entropy) rows are all-gathered in the order forward_logprobs wants,
   their backward keeping each rank's own rows (every rank of a group computes the same loss from them);
-- the vision tower split by image: each rank encodes its share of the sequence's images and video clips (balanced by
-  patches) in one tower pass, and the group all-gathers the embeddings, whose backward sums the group's gradients
-  and hands each rank its own images' (so no image is encoded twice, and each image's encoder gets its whole
-  gradient).
+- the vision tower split by temporal patch: each rank encodes a contiguous run of about 1/size of the forward's
+  patches in one tower pass, a clip cut between its temporal patches (each its own attention segment in the
+  towers, so the pieces encode as the whole clip does), an image whole; the group all-gathers the embeddings, whose
+  backward sums the group's gradients and hands each rank its own pieces' (so nothing is encoded twice, and each
+  patch's encoder gets its whole gradient).
 
 Data: every rank of a group must run the same micro-batches, so the group's samples are gathered onto each of its
 ranks (share_group); data parallelism is over groups. A token then sits on size ranks' lists but in one rank's
@@ -26,6 +27,7 @@ and FSDP2's gradient average over all ranks give the gradient of size 1.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -184,17 +186,28 @@ def _cut_input(module, args, kwargs):
     return args, kwargs
 
 
+def kv_repeats(kv_heads: int, size: int) -> int:
+    """How many times each key/value head is repeated before the all-to-all so that each of size ranks gets whole
+    key/value heads for its 1/size of the query heads: the fewest r with size dividing kv_heads x r,
+    size / gcd(kv_heads, size). (size divides the query heads, and so do the key/value heads: their lcm, kv_heads x r,
+    does too, and a repeated head still serves a contiguous run of query heads.) 1 when size divides them; for
+    4 key/value heads at size 8, 2: 8 heads sent where repeating up to the 32 query heads would send four times as
+    many."""
+    return size // math.gcd(kv_heads, size)
+
+
 def ulysses_attention(fn, module, query, key, value, attention_mask, **kwargs):
     """`fn` (a packed attention of attention.py) over the whole row for 1/size of the heads: query (1, Hq, L/size, D)
     and key/value (1, Hkv, L/size, D) of this rank's slice -> (1, L/size, Hq, D). Key/value heads that size does not
-    divide are repeated up to the query heads first: each rank needs whole key/value heads for its query heads."""
+    divide are repeated only as far as each rank needs whole ones for its query heads (kv_repeats)."""
     sp = kwargs["packed_layout"].sequence_parallel
     groups_kv = getattr(module, "num_key_value_groups", 1)
     if query.shape[1] % sp.size:
         raise ValueError(f"actor.sequence_parallel_size={sp.size} must divide the {query.shape[1]} attention heads")
-    if key.shape[1] % sp.size:
-        key, value = (t.repeat_interleave(groups_kv, dim=1) for t in (key, value))
-        groups_kv = 1
+    repeats = kv_repeats(key.shape[1], sp.size)
+    if repeats > 1:  # (1, Hkv x repeats, L/size, D), each head beside its copies: query heads per head / repeats
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+        groups_kv //= repeats
     q, k, v = (all_to_all(t, 1, 2, sp.group) for t in (query, key, value))  # (1, heads / size, L, D)
     saved = getattr(module, "num_key_value_groups", None)
     if saved is not None:  # the query heads per key/value head this rank now holds
@@ -250,23 +263,33 @@ def call_with_head(call, model, inputs, labels, keep, layout, extra, blank):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The vision tower split by image.
+# The vision tower split by temporal patch.
 
 
-def assign_items(patches: list[int], size: int) -> list[int]:
-    """Owner rank of each image/video clip, in order (patches: each one's patch count): contiguous runs balanced by
-    patches, each item to the rank whose share of the total holds its middle. Contiguous, so a rank's pixels are one
-    slice of the forward's (no copy), and mostly the images of its own part of the sequence."""
-    total, before, owner = max(sum(patches), 1), 0, []
-    for n in patches:
-        owner.append(min(size - 1, int((before + n / 2) * size / total)))
-        before += n
-    return owner
+def cut_items(grids: list[list[int]], size: int) -> list[list[tuple[int, int, int]]]:
+    """Each rank's pieces of a forward's images and clips (grids: each one's (t, h, w), t temporal patches of h x w
+    patches), as (item, first temporal patch, temporal patches): contiguous runs of temporal patches balanced by
+    patches, each temporal patch to the rank whose share of the total holds its middle. The towers attend within one
+    temporal patch only (their attention segments, windows, rotary and interpolated positions are per frame group of
+    grid_thw), so a clip cut between temporal patches is encoded exactly as it is whole; an image (t = 1) is one
+    temporal patch and stays whole. Contiguous and in order, so a rank's pixels are one slice of the forward's and the
+    group's gathered embeddings are in the forward's order."""
+    total = max(sum(t * h * w for t, h, w in grids), 1)
+    pieces, before = [[] for _ in range(size)], 0
+    for item, (t, h, w) in enumerate(grids):
+        for frame in range(t):
+            rank = min(size - 1, (2 * before + h * w) * size // (2 * total))  # the share holding its middle
+            if pieces[rank] and pieces[rank][-1][0] == item:
+                pieces[rank][-1] = (item, pieces[rank][-1][1], pieces[rank][-1][2] + 1)
+            else:
+                pieces[rank].append((item, frame, 1))
+            before += h * w
+    return pieces
 
 
 class split_vision:
     """Within it, the model's get_image_features/get_video_features return this forward's images and videos encoded
-    by the group, each by one rank (one tower pass per rank, as add_vision_dummy requires)."""
+    by the group, each temporal patch by one rank (one tower pass per rank, as add_vision_dummy requires)."""
 
     def __init__(self, model, inputs, sp, blank):
         self.model, self.inputs, self.sp, self.blank, self.encoded = model, inputs, sp, blank, None
@@ -291,8 +314,9 @@ class split_vision:
 
 
 def encode_split(model, inputs, sp, blank) -> dict:
-    """{"image": ..., "video": ...} as get_image_features/get_video_features return them, from this rank's share of
-    the items (assign_items) and the group's all-gather of every share's embeddings."""
+    """{"image": ..., "video": ...} as get_image_features/get_video_features return them, from this rank's pieces of
+    the items (cut_items), each encoded under its own grid row (its temporal patches, h, w), and the group's
+    all-gather of every rank's embeddings."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     inner = model.model
@@ -304,33 +328,30 @@ def encode_split(model, inputs, sp, blank) -> dict:
             grids.append(inputs[grid_key])
     n_images = len(inputs["image_grid_thw"]) if inputs.get("pixel_values") is not None else 0
     pixels = pixels[0] if len(pixels) == 1 else torch.cat(pixels)  # (patches, C*T*P*P) (one kind: no copy)
-    grids = torch.cat(grids)  # (items, 3)
-    patches = grids.prod(-1).tolist()
-    owner = assign_items(patches, sp.size)
-    starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
-    mine = [i for i in range(len(patches)) if owner[i] == sp.rank]
+    grid_rows = torch.cat(grids).tolist()  # (items, 3)
+    pieces = cut_items(grid_rows, sp.size)
+    frame = [h * w for _, h, w in grid_rows]  # patches of one temporal patch of each item
+    starts = [0, *itertools.accumulate(t * h * w for t, h, w in grid_rows)]  # each item's first patch
     hidden = inner.config.text_config.hidden_size
     deep = len(getattr(inner.visual, "deepstack_visual_indexes", ()))  # Qwen3-VL: features for the first layers too
+    mine = pieces[sp.rank]
     if mine:  # (contiguous: a view of the forward's pixels)
-        rows = slice(starts[mine[0]], starts[mine[-1] + 1])
-        out = type(inner).get_image_features(inner, pixels[rows], grids[mine[0] : mine[-1] + 1], return_dict=True)
-        # (tokens of my items, H x (1 + deep)): the embeddings and each deepstack layer's, side by side, so the
+        (first, t0, _), (last, t1, n) = mine[0], mine[-1]
+        rows = slice(starts[first] + t0 * frame[first], starts[last] + (t1 + n) * frame[last])
+        grid = torch.tensor([[t, *grid_rows[i][1:]] for i, _, t in mine], dtype=grids[0].dtype, device=grids[0].device)
+        out = type(inner).get_image_features(inner, pixels[rows], grid, return_dict=True)
+        # (tokens of my pieces, H x (1 + deep)): the embeddings and each deepstack layer's, side by side, so the
         # group exchanges them in one gather
         deep_features = getattr(out, "deepstack_features", None) or []
         local = torch.cat([torch.cat(out.pooler_output), *(torch.cat(f) for f in deep_features)], -1)
-    else:  # no item for this rank: the tower still runs once (its FSDP2 collectives), on a blank image, and its
+    else:  # no piece for this rank: the tower still runs once (its FSDP2 collectives), on a blank image, and its
         # backward must come after the gather's, as on the other ranks: the dummy reaches autograd through `local`
         zero = blank().to(inputs_dtype(model))
         local = torch.zeros(0, hidden * (1 + deep), device=pixels.device, dtype=inputs_dtype(model)) * zero
-    tokens = [p // merge for p in patches]
-    counts = [sum(tokens[i] for i in range(len(patches)) if owner[i] == r) for r in range(sp.size)]
-    gathered = gather_rows(local, counts, sp.group, sum_grads=True)  # (all tokens, H x (1 + deep)), by rank, item
-    pieces, at = {}, 0
-    for r in range(sp.size):
-        for i in (i for i in range(len(patches)) if owner[i] == r):
-            pieces[i] = gathered[at : at + tokens[i]].split(hidden, -1)  # (embeddings, *deepstack layers')
-            at += tokens[i]
-    items = [pieces[i] for i in range(len(patches))]
+    counts = [sum(n * frame[i] for i, _, n in part) // merge for part in pieces]
+    gathered = gather_rows(local, counts, sp.group, sum_grads=True)  # (all tokens, H x (1 + deep)), in items' order
+    tokens = [(starts[i + 1] - starts[i]) // merge for i in range(len(grid_rows))]
+    items = [x.split(hidden, -1) for x in gathered.split(tokens)]  # each item's (embeddings, *deepstack layers')
     split = {}
     for kind, part in (("image", items[:n_images]), ("video", items[n_images:])):
         split[kind] = BaseModelOutputWithPooling(pooler_output=tuple(x[0] for x in part))

@@ -1,6 +1,7 @@
 """docs/memory.md's table of which models fit which GPUs: the `--dry-run` plan for each model, node, setting.
 
     .venv/bin/python scripts/memory_table.py      # a markdown table, one row per model and setting (a few seconds)
+    .venv/bin/python scripts/memory_table.py --sequence-parallel   # docs/sequence_parallel.md's longest sequences
 
 Every cell is the geo3k recipe's batch shape (512 prompts x 5 answers per step, 128 prompts per optimizer step,
 2,048 + 2,048 tokens), vLLM with tensor parallel 2 (1 on one GPU, 4 for 32B), micro-batch token budgets 16,384 /
@@ -64,7 +65,30 @@ def cell(config, overrides):
     return f"no: {peak.group(1)}" if peak else "no"
 
 
+def longest_sequences():
+    """docs/sequence_parallel.md's table: Qwen2.5-VL-7B on 8 x 80 GB, configs/geo3k.yaml, the longest micro-batch
+    (every token a vision token) whose update and log-prob phases fit, at each actor.sequence_parallel_size."""
+    import dataclasses
+
+    from grpo import memory_plan
+
+    node = ["trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=80"]
+    plan = memory_plan.plan_memory(train_grpo.load_config("configs/geo3k.yaml", node), 8)
+    print("| actor.sequence_parallel_size | longest sequence (tokens) |\n|---|---|")
+    for size in (1, 2, 4, 8):
+
+        def fits(tokens, size=size):
+            x = dataclasses.replace(plan.settings, sp=size, train_tokens=tokens, nograd_tokens=tokens)
+            phases = memory_plan.compute_plan(plan.shape, x)["phases"]
+            return all(sum(phases[p].values()) <= memory_plan.FIT_SHARE * x.gpu_bytes for p in ("update", "log-probs"))
+
+        heads = "" if plan.shape.heads % size == 0 else f" ({plan.shape.heads} attention heads: not {size} ways)"
+        print(f"| {size} | {memory_plan._largest(1, 10**7, fits):,}{heads} |")
+
+
 def main():
+    if "--sequence-parallel" in sys.argv:
+        return longest_sequences()
     header = ["model", "setting"] + [f"{n} x {g} GB" for n, g in NODES]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

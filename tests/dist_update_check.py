@@ -13,8 +13,10 @@ The last two prompts (rank 1's half on 2 ranks) get longer responses, so with a 
 different numbers of micro-batches unless the trainer makes them agree. Rank 0 saves the weights, the stats and
 each rank's micro-batch count. EXTRA_EMPTY_MICRO_BATCH=1 appends an empty bin to every token-budget plan.
 TEXT_ONLY=2,3 makes those prompts text-only (no image); NO_VISION_DUMMY=1 leaves out logprobs.add_vision_dummy.
-VIDEO=1 takes the video demo's prompts instead (a clip each). Rank 0 also saves the step's metrics reduced over ranks
-and each rank's vision tower patches.
+VIDEO=0,1,2,3 takes those prompts from the video demo's (a clip each) instead; among a step's overrides, for that step
+only. With distill.model_path the samples get the teacher's log-probs first, from the trainer's no-grad phase
+(train_grpo.compute_old_and_ref_logprobs). Rank 0 also saves the step's metrics reduced over ranks and each rank's
+vision tower patches.
 """
 
 import os
@@ -29,7 +31,7 @@ sys.path.insert(0, REPO)
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import distributed, loading, mismatch, sequence_parallel  # noqa: E402
+from grpo import distill, distributed, loading, mismatch, sequence_parallel  # noqa: E402
 from grpo.stats import StepStats  # noqa: E402
 
 PROMPTS, N = 4, 2
@@ -113,21 +115,25 @@ def main():
 def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     """One update_policy step from the checkpoint's weights with these overrides; rank 0 saves what it gives."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    video = next((o.split("=", 1)[1] for o in overrides if o.startswith("VIDEO=")), os.environ.get("VIDEO", ""))
+    overrides = [o for o in overrides if not o.startswith("VIDEO=")]
     # (the samples' engine log-probs are placeholder 0s, far from any model's: no mismatch guard)
     cfg = train_grpo.load_config(None, [f"actor.global_batch_size={PROMPTS}", f"data.rollout_batch_size={PROMPTS}",
                                         f"rollout.n={N}", f"actor.micro_batch_size={micro}",
                                         f"actor.loss_agg_mode={mode}", "actor.max_grad_norm=1e9",
                                         "algorithm.kl_coef=0.1", "data.max_prompt_length=128",
                                         "data.max_response_length=32", "algorithm.mismatch_guard=0",
+                                        f"actor.model_path={model_dir}",  # (a teacher is checked against it)
                                         *overrides])  # fmt: skip
     train_grpo.check_config(cfg, world)
 
     g = torch.Generator().manual_seed(0)  # identical on every rank: each rank then keeps its own slice
     text_only = [int(i) for i in os.environ.get("TEXT_ONLY", "").split(",") if i]
-    if os.environ.get("VIDEO"):
-        prompts = video_prompts(processor, os.path.dirname(os.path.abspath(out_path)))
-    else:
-        prompts = synthetic_prompts(processor, text_only)
+    prompts = synthetic_prompts(processor, text_only)
+    video = [int(i) for i in video.split(",") if i]
+    if video:
+        clips = video_prompts(processor, os.path.dirname(os.path.abspath(out_path)))
+        prompts = [clips[i] if i in video else p for i, p in enumerate(prompts)]
     samples, ref_logps = [], []
     for p in range(PROMPTS):
         for _ in range(N):
@@ -153,10 +159,18 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update IS the gradient: compare gradients
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     stats = StepStats()
-    model.train()
     ids = (processor.tokenizer.pad_token_id, model.config.image_token_id)
+    taught = None
+    if cfg.distill.model_path:  # a teacher's log-probs of the samples, as the trainer's no-grad phase gives them
+        teacher = distill.load_teacher(cfg.distill, cfg.actor, device, processor.tokenizer.pad_token_id)
+        count_vision_patches(teacher)
+        model.eval()
+        _, _, taught = train_grpo.compute_old_and_ref_logprobs(
+            model, None, local_prompts, local_samples, cfg, ids, False, teacher
+        )
+    model.train()
     train_grpo.update_policy(model, optimizer, scheduler, local_samples, local_prompts, advantages[mine], None,
-                             ref_logps[mine], cfg, ids, stats, 1)  # fmt: skip
+                             ref_logps[mine], cfg, ids, stats, 1, taught)  # fmt: skip
 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -164,6 +178,10 @@ def one_step(model_dir, out_path, micro, mode, overrides, processor, device):
     counts, patches = [None] * world, [None] * world
     dist.all_gather_object(counts, stats["actor/micro_batches"])
     dist.all_gather_object(patches, model.vision_patches)
+    if cfg.distill.model_path:  # (then each entry: the policy's patches, and under "teacher" the teacher's)
+        every = [None] * world
+        dist.all_gather_object(every, teacher.vision_patches)
+        patches = [{**p, "teacher": t} for p, t in zip(patches, every)]
     metrics = stats.metrics(stats["actor/optimizer_steps"])  # reduced over ranks, as the trainer logs them
     metrics.update(mismatch.step_metrics(stats, cfg.algorithm))  # the trainer/engine gap (placeholder engine logps)
     if rank == 0:

@@ -493,6 +493,21 @@ def test_sequence_parallel_splits_the_activations():
         assert split["phases"]["update"]["activations"] == pytest.approx(one + 2 * 2 * k * t * h, rel=1e-3)
 
 
+def test_sequence_parallel_splits_the_teachers_activations():
+    """Guards against a plan that counts a distillation teacher's rows whole under sequence parallelism: the teacher
+    is cut like the policy, so the log-prob phase (where the 32B teacher's forward is the largest) needs a k-th of
+    size 1's activations, plus the whole row's merged and gathered embeddings at the teacher's width."""
+    plan = plan_memory(load_config("configs/geo3k.yaml", NODE), 8)
+    teacher = KNOWN_SHAPES["Qwen/Qwen3-VL-32B-Instruct"]
+    x = dataclasses.replace(plan.settings, teacher=teacher)
+    t = x.nograd_tokens
+    one = memory_plan.compute_plan(plan.shape, x)["phases"]["log-probs"]["activations"]
+    assert one > memory_plan.compute_plan(plan.shape, plan.settings)["phases"]["log-probs"]["activations"]
+    for k in (2, 4):
+        split = memory_plan.compute_plan(plan.shape, dataclasses.replace(x, sp=k, nograd_tokens=k * t))
+        assert split["phases"]["log-probs"]["activations"] == pytest.approx(one + 2 * 2 * k * t * teacher.hidden, 1e-3)
+
+
 def test_slurm_mem_below_the_host_plan_stops(monkeypatch):
     """Guards against eight ranks loading into a Slurm job whose --mem cannot hold them: the cgroup kills the job
     without a traceback (docs/memory.md)."""

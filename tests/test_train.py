@@ -86,32 +86,46 @@ def test_shared_prefix_keeps_the_update_over_ranks(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["image", "video", "qwen3_5", "qwen3_vl"])
-def test_sequence_parallel_keeps_the_step(tiny_model_dir, tiny_family_dir, tmp_path, monkeypatch, case):
+def test_sequence_parallel_keeps_the_step(tiny_model_dir, tiny_family_dir, tmp_path, case):
     """Guards against sequence parallelism changing the step: 2 ranks as one group (each sequence cut in two,
-    Ulysses attention, the vision tower split by image) must give the weights, loss, KL, entropy, gradient norm and
-    trainer/engine gap of 2 data-parallel ranks -- with shared prefixes and a token budget (counted per group), on
-    the image prompts, on the video demo's clips, on Qwen3.5 (its linear-attention layers run the whole row) and on
-    Qwen3-VL (its deepstack inputs cut with their tokens). A
-    token counted on both ranks of the group, a gradient lost in an all-to-all or an image's embedding sent back
-    without its gradient changes them. And each image or clip is encoded once per group: the group's tower passes
-    together see each forward's patches exactly once."""
-    if case == "video":
-        monkeypatch.setenv("VIDEO", "1")
+    Ulysses attention, the vision tower split by temporal patch) must give the weights, loss, KL, entropy, gradient
+    norm and trainer/engine gap of 2 data-parallel ranks -- with shared prefixes and a token budget (counted per
+    group), on the image prompts (also with a distillation teacher, whose rows are cut like the policy's) and on the
+    video demo's clips (one a prompt), and on both for Qwen3.5 (its linear-attention layers run the whole row) and
+    Qwen3-VL (its deepstack inputs cut with their tokens). A token
+    counted on both ranks of the group, a gradient lost in an all-to-all, an image's embedding sent back without its
+    gradient or a clip cut inside a temporal patch changes them. And each image or clip is encoded once per group,
+    both ranks encoding a part: the group's tower passes together see each forward's patches exactly once, each
+    rank some and not all (a clip alone in its micro-batch is cut between the ranks)."""
+    from scripts.make_tiny_model import build_tiny_model
+
     model = tiny_family_dir(case) if case.startswith("qwen") else tiny_model_dir
     plain = ["actor.max_tokens_per_micro_batch=160", "actor.balance_ranks=true"]  # (test_shared_prefix's launch)
-    plain, split = _updates(model, tmp_path, 2, 1, "token-mean", plain, [*plain, "actor.sequence_parallel_size=2"])
-    _assert_same_weights(plain, split)
-    for key in ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "rollout/logprob_diff_mean"):
-        assert split["metrics"][key] == pytest.approx(plain["metrics"][key], rel=1e-5), key
-    # the group's two ranks run the same micro-batches, and each its own share of their images or clips
-    inputs = [p["inputs"] for p in split["vision_patches"]]
-    assert inputs[0] == inputs[1] > 0
-    assert sum(p["real"] for p in split["vision_patches"]) == inputs[0]
-    if case != "video":  # (the video prompts' micro-batches hold one clip each: one rank encodes it, one the blank)
+    clips = ["VIDEO=0,1,2,3"]  # (dist_update_check: the step's prompts are the video demo's)
+    media = {"image": [[]], "video": [clips]}.get(case, [[], clips])
+    if case == "image":  # and with a distillation teacher (the tiny model with its digits raised), cut like the policy
+        media.append([f"distill.model_path={build_tiny_model(str(tmp_path / 'teacher'), seed=0, digit_logit=5.0)}"])
+    sets = [s for m in media for s in ([*plain, *m], [*plain, *m, "actor.sequence_parallel_size=2"])]
+    runs = _updates(model, tmp_path, 2, 1, "token-mean", *sets)
+    for plain_run, split in zip(runs[::2], runs[1::2]):
+        _assert_same_weights(plain_run, split)
+        keys = ["actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "rollout/logprob_diff_mean"]
+        if "distill/reverse_kl" in plain_run["metrics"]:
+            keys += ["distill/reverse_kl", "distill/advantage"]
+            assert abs(plain_run["metrics"]["distill/reverse_kl"]) > 1e-2  # (a teacher other than the policy)
+            taught = [p["teacher"] for p in split["vision_patches"]]  # its group's images shared as the policy's
+            assert taught[0]["inputs"] == taught[1]["inputs"] == sum(p["real"] for p in taught)
+            assert all(0 < p["real"] < p["inputs"] for p in taught)
+        for key in keys:
+            assert split["metrics"][key] == pytest.approx(plain_run["metrics"][key], rel=1e-5), key
+        # the group's two ranks run the same micro-batches, and each its own share of their images or clips
+        inputs = [p["inputs"] for p in split["vision_patches"]]
+        assert inputs[0] == inputs[1] > 0
+        assert sum(p["real"] for p in split["vision_patches"]) == inputs[0]
         assert all(0 < p["real"] < inputs[0] for p in split["vision_patches"])
-    assert all(p["passes"] == p["forwards"] for p in split["vision_patches"])  # one tower pass per forward
-    for p in plain["vision_patches"]:  # data-parallel: each rank encodes what it holds
-        assert p["real"] == p["inputs"]
+        assert all(p["passes"] == p["forwards"] for p in split["vision_patches"])  # one tower pass per forward
+        for p in plain_run["vision_patches"]:  # data-parallel: each rank encodes what it holds
+            assert p["real"] == p["inputs"]
 
 
 def test_surplus_micro_batch_adds_nothing(tiny_model_dir, tmp_path, monkeypatch):
