@@ -32,22 +32,27 @@ def scaled_logits(logits: torch.Tensor, temperature: float = 1.0, forbidden: tor
     return logits
 
 
+def _logp(scaled: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return scaled.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)  # (...)
+
+
+def _entropy(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.logsumexp(-1) - (scaled.softmax(-1) * scaled).sum(-1)  # (...)
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, forbidden=None):
     """logits (B, T, V), labels (B, T) -> log p(label) (B, T), in fp32, over the vocabulary less `forbidden`."""
-    logits = scaled_logits(logits, temperature, forbidden)  # (B, T, V)
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (B, T)
+    return _logp(scaled_logits(logits, temperature, forbidden), labels)  # (B, T)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, forbidden=None) -> torch.Tensor:
-    logits = scaled_logits(logits, temperature, forbidden)  # (B, T, V)
-    return logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)  # (B, T)
+    return _entropy(scaled_logits(logits, temperature, forbidden))  # (B, T)
 
 
 def _head_chunk(hidden, weight, labels, temperature, with_entropy, forbidden):
     logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
-    logits = scaled_logits(logits, temperature, forbidden)  # (C, V) fp32, once for both
-    logp = token_logprobs(logits, labels)  # (C,)
-    return logp, entropy_from_logits(logits) if with_entropy else None  # (C,)
+    scaled = scaled_logits(logits, temperature, forbidden)  # (C, V) fp32, one copy for both
+    return _logp(scaled, labels), _entropy(scaled) if with_entropy else None  # (C,)
 
 
 def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True, forbidden=None):
