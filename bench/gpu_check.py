@@ -109,6 +109,18 @@ def qwen2_5_vl_3b_config(tokenizer, layers=None):
     )  # fmt: skip
 
 
+# the 27-block tower Qwen3-VL and Qwen3.5 share (their published configs), and Qwen3.5's rotary positions
+QWEN3_VL_TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)  # fmt: skip
+QWEN3_5_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10000000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+
+
 def qwen3_5_9b_config(tokenizer, layers=None):
     """Qwen3.5-9B's architecture (the numbers memory_plan.KNOWN_SHAPES keeps: 32 layers of width 4096, three gated
     DeltaNet layers to one full-attention layer, 248,320 embedding rows untied, Qwen3-VL's 27-block tower without
@@ -122,14 +134,10 @@ def qwen3_5_9b_config(tokenizer, layers=None):
         num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        rope_parameters=dict(QWEN3_5_ROPE),
         **special,
     )  # fmt: skip
-    vision = dict(
-        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
-    )  # fmt: skip
+    vision = dict(QWEN3_VL_TOWER, out_hidden_size=4096)
     return Qwen3_5Config(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
                          dtype="bfloat16")  # fmt: skip
 
@@ -150,11 +158,7 @@ def qwen3_vl_30b_a3b_config(tokenizer, layers=None):
                                               "mrope_section": [24, 20, 20], "mrope_interleaved": True},
         **special,
     )  # fmt: skip
-    vision = dict(
-        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
-        deepstack_visual_indexes=[8, 16, 24],
-    )  # fmt: skip
+    vision = dict(QWEN3_VL_TOWER, out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24])
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
                             dtype="bfloat16")  # fmt: skip
 
@@ -174,14 +178,10 @@ def qwen3_5_35b_a3b_config(tokenizer, layers=None):
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
         linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        rope_parameters=dict(QWEN3_5_ROPE),
         **special,
     )  # fmt: skip
-    vision = dict(
-        depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=2048, num_position_embeddings=2304,
-    )  # fmt: skip
+    vision = dict(QWEN3_VL_TOWER, out_hidden_size=2048)
     return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **vision_ids, tie_word_embeddings=False,
                             dtype="bfloat16")  # fmt: skip
 
