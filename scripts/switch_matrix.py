@@ -6,6 +6,7 @@ checks let through.
     .venv/bin/python scripts/switch_matrix.py                 # every switch alone and every pair (~1.5 h on 2 cores)
     .venv/bin/python scripts/switch_matrix.py --quick         # every dry run; trains only QUICK_PAIRS (~20 min)
     .venv/bin/python scripts/switch_matrix.py --pairs sp+hf,lora+partial
+    .venv/bin/python scripts/switch_matrix.py --resume        # keep the last run's settled pairs, run the rest
 
 It prints each pair's outcome as it finishes, then the table (docs/algorithm.md holds the last one) and the
 refusals' messages; results go to OUT/results.json. Exit 1 when a pair crashed after its dry run passed.
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="dry-run every switch and pair, train only QUICK_PAIRS")
     parser.add_argument("--pairs", default="", help="only these, comma-separated (sp+hf,lora): a name alone is one")
     parser.add_argument("--out", default="outputs/switch_matrix")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep OUT/results.json's pairs that trained or were refused; run the rest")  # fmt: skip
     args = parser.parse_args(argv)
     out = (ROOT / args.out).resolve()
     if args.pairs:
@@ -269,9 +272,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown switches {sorted(unknown)}; valid: {', '.join(SWITCHES)}")
     else:
         pairs = [(n,) for n in SWITCHES] + list(itertools.combinations(SWITCHES, 2))
+    # a full run is hours: what an interrupted one settled is kept with --resume, and only the rest is run again
+    done = {}
+    if args.resume and (out / "results.json").exists():
+        for r in json.loads((out / "results.json").read_text()):
+            if r["outcome"] == "trains" or r["outcome"].startswith("refused"):
+                done[tuple(r["pair"])] = r
     results = []
     for names in pairs:
         train = not args.quick or names in QUICK_PAIRS or names[::-1] in QUICK_PAIRS
+        if names in done and (train or done[names]["outcome"] != "trains"):
+            results.append(done[names])
+            continue
         result = run_pair(names, out, train)
         results.append(result)
         print(f"{'+'.join(names):20s} {result['outcome']:16s} {result['seconds']:5.0f}s  {result['detail'][:200]}",
