@@ -38,6 +38,9 @@ def compute_plan(s: ModelShape, x: Settings) -> dict:
 
 @dataclass
 class Plan:
+    """One run's plan: the model and its shape, the Settings taken from the config, where the limits came from;
+    `numbers` is its arithmetic (compute_plan)."""
+
     model: str
     shape: ModelShape
     settings: Settings
