@@ -77,10 +77,12 @@ from grpo.logger import MetricsLogger, save_config
 from grpo.logprobs import compute_device, forward_logprobs
 from grpo.lora import adapters_disabled
 from grpo.machine import release_host_memory
-from grpo.memory_plan import PlanError, format_plan, plan_memory, plan_problem, planned_world
+from grpo.memory_plan import plan_memory, planned_world
 from grpo.mismatch import rollout_is_weights, rollout_rejection_mask  # noqa: F401 (the corrections' names here too)
+from grpo.model_shape import PlanError
 from grpo.offload import TrainerOffload
 from grpo.optim import make_optimizer
+from grpo.plan_advice import format_plan, plan_problem
 from grpo.preflight import check_paths
 from grpo.startup import check_gpu_memory, print_banner
 from grpo.stats import StepStats

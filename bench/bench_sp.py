@@ -86,20 +86,20 @@ def video_sequence(config, clips, frames, side, response):
 
 
 def planned_activations(model_dir: str, tokens: int, size: int) -> float:
-    """The memory plan's activations per rank (grpo/memory_plan.py, the update phase's) for one sequence of `tokens`
+    """The memory plan's activations per rank (grpo/device_plan.py, the update phase's) for one sequence of `tokens`
     at sequence-parallel `size`: the arithmetic of a GPU run's plan, in fp32 (4 bytes an element, as these CPU ranks
     compute) and without gradient checkpointing, as measured here. The plan counts every token as a vision token."""
-    from grpo import memory_plan
+    from grpo import device_plan, model_shape
 
-    shape = memory_plan.read_model_shape(model_dir)
+    shape = model_shape.read_model_shape(model_dir)
     # (what the activations do not depend on takes any value)
-    settings = memory_plan.Settings(
+    settings = device_plan.Settings(
         world=2, gpus_per_node=2, ranks_per_node=2, gpu_bytes=2**40, train_tokens=tokens, nograd_tokens=tokens,
         checkpointing=False, freeze_vision=False, reference=False, ref_offload=False, engine="hf", vllm_util=0.0,
         sleep_level=0, tp=1, seq_len=tokens, response_len=0, hf_rows=1, max_num_seqs=1, vllm_version="", sp=size,
         act_bytes=4,
     )  # fmt: skip
-    return memory_plan.compute_plan(shape, settings)["phases"]["update"]["activations"]
+    return device_plan.plan_device(shape, settings)["phases"]["update"]["activations"]
 
 
 def rank_main(rank, port, model_dir, size, args, out_dir):

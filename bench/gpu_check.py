@@ -122,7 +122,7 @@ QWEN3_5_ROPE = {
 
 
 def qwen3_5_9b_config(tokenizer, layers=None):
-    """Qwen3.5-9B's architecture (the numbers memory_plan.KNOWN_SHAPES keeps: 32 layers of width 4096, three gated
+    """Qwen3.5-9B's architecture (the numbers model_shape.KNOWN_SHAPES keeps: 32 layers of width 4096, three gated
     DeltaNet layers to one full-attention layer, 248,320 embedding rows untied, Qwen3-VL's 27-block tower without
     deepstack), with token ids from our tokenizer; its first `layers` decoder layers only where given."""
     from transformers import Qwen3_5Config
@@ -143,7 +143,7 @@ def qwen3_5_9b_config(tokenizer, layers=None):
 
 
 def qwen3_vl_30b_a3b_config(tokenizer, layers=None):
-    """Qwen3-VL-30B-A3B's architecture (its published config.json; memory_plan.KNOWN_SHAPES' numbers): 48 layers of
+    """Qwen3-VL-30B-A3B's architecture (its published config.json; model_shape.KNOWN_SHAPES' numbers): 48 layers of
     width 2048, each a mixture of 128 experts with 8 routed a token (3 B of its 31 B parameters active), Qwen3-VL's
     27-block tower with deepstack, 151,936 embedding rows untied, with token ids from our tokenizer; its first
     `layers` decoder layers only where given."""
@@ -164,7 +164,7 @@ def qwen3_vl_30b_a3b_config(tokenizer, layers=None):
 
 
 def qwen3_5_35b_a3b_config(tokenizer, layers=None):
-    """Qwen3.5-35B-A3B's architecture (memory_plan.KNOWN_SHAPES' numbers, its model card's config.json; transformers'
+    """Qwen3.5-35B-A3B's architecture (model_shape.KNOWN_SHAPES' numbers, its model card's config.json; transformers'
     Qwen3.5-MoE defaults are the same): 40 layers of width 2048, three gated DeltaNet layers to one full-attention
     layer, each a mixture of 256 experts (8 routed a token) beside a shared expert, 248,320 embedding rows untied,
     Qwen3-VL's 27-block tower without deepstack, with token ids from our tokenizer; its first `layers` decoder layers
@@ -299,7 +299,8 @@ def trainer_argv(model_dir, data_dir, out_dir, args):
 def memory_plan(argv):
     """The trainer's own memory plan of the run (memory_plan.py, as train_grpo prints it at start) and the problem
     that would stop it, or None."""
-    from grpo.memory_plan import format_plan, plan_memory, plan_problem
+    from grpo.memory_plan import plan_memory
+    from grpo.plan_advice import format_plan, plan_problem
 
     cfg = train_grpo.load_config(argv[0], argv[1:])
     train_grpo.check_config(cfg, world_size=1)

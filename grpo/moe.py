@@ -105,7 +105,7 @@ def stream_experts(name: str, param, dtype, delta=None):
     layer-wise reload (model_loader/reload/layerwise.py, 0.26-0.33) keeps every tensor it is sent until the layer is
     whole and then materialises the layer's own copy to load them into: while a layer syncs, vLLM holds all its
     experts twice beside its weights (1.2 GB of bf16 each time per layer of Qwen3-VL-30B-A3B, 1.6 GB of
-    Qwen3.5-35B-A3B; memory_plan.reload_peak counts it)."""
+    Qwen3.5-35B-A3B; vllm_memory.reload_peak counts it)."""
     import torch.distributed as dist
 
     m = EXPERT_PARAM.match(name)

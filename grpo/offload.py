@@ -5,7 +5,7 @@ would sit beside vLLM's KV cache: 16 bytes a parameter / world with fp32 masters
 `TrainerOffload.offload` copies them to pinned host memory right after the weight sync, before vLLM wakes its KV
 cache (the sync itself reads the policy's shards on the GPU), and `onload` copies the parameters back after vLLM
 sleeps, before the log-prob and update phases; the moments come to the GPU for each optimizer step alone. The GPU
-memory they free is vLLM's to take (rollout.gpu_memory_utilization; memory_plan.py says how far it can rise).
+memory they free is vLLM's to take (rollout.gpu_memory_utilization; the memory plan says how far it can rise).
 
 Parameters move through FSDP2's own `_apply` path (as `module.to()` does): it re-registers each moved shard as the
 unit's sharded parameter, so later all-gathers read the moved copy and the old storage is freed. Its
@@ -20,7 +20,7 @@ for (a checkpoint may read them from host memory next).
 Host memory is one block per rank for the parameters and one for the moments (`HostArena`), allocated at the first
 offload at exactly the bytes they need, sliced, and reused at every later one. Not torch's pinned allocator: its
 CachingHostAllocator (torch 2.11-2.14) rounds every block up to the next power of two and keeps freed blocks cached
-for reuse, so a tensor per shard would pin up to twice the state (memory_plan.py plans what the arenas take). On
+for reuse, so a tensor per shard would pin up to twice the state (device_plan.py plans what the arenas take). On
 CUDA an arena is pinned by registering it with the driver (cudaHostRegister), which rounds nothing.
 
 On a machine without CUDA the compute device IS the host: the state is still copied out to the arenas and back (the
@@ -53,7 +53,7 @@ class HostArena:
 
     @staticmethod
     def bytes_for(sizes) -> int:
-        """What an arena takes for tensors of `sizes` bytes (memory_plan.py counts the same)."""
+        """What an arena takes for tensors of `sizes` bytes (device_plan.py counts the same)."""
         return sum(-(-n // ALIGN) * ALIGN for n in sizes)
 
     def _allocate(self, layout) -> None:

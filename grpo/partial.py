@@ -232,12 +232,13 @@ def _take_tool_turns(engine, processor, carry: Carry, open_, stats, call_end: in
     return len(going)
 
 
-def step_metrics(filter_stats: dict, samples) -> dict:
-    """The partial rollout's metrics, over all ranks (collective when partial is on; {} when off): answers trained
-    with carried tokens (`partial_carried`, a share of the trained answers), answers that started over past the
-    staleness bound (`partial_dropped`, a count), their staleness in steps (mean, max), the share of the trained
-    model tokens sampled at an earlier step (`rollout/off_policy_share`), tokens generated at this step."""
-    counts = {k: filter_stats.pop(k) for k in [k for k in filter_stats if k.startswith("rollout/partial_")]}
+def step_metrics(rollout_stats: dict, samples) -> dict:
+    """The partial rollout's metrics (its counts taken out of rollout_stats, the rollout's StepStats), over all ranks
+    (collective when partial is on; {} when off): answers trained with carried tokens (`partial_carried`, a share of
+    the trained answers), answers that started over past the staleness bound (`partial_dropped`, a count), their
+    staleness in steps (mean, max), the share of the trained model tokens sampled at an earlier step
+    (`rollout/off_policy_share`), tokens generated at this step."""
+    counts = {k: rollout_stats.pop(k) for k in [k for k in rollout_stats if k.startswith("rollout/partial_")]}
     if not counts:
         return {}
     world = dist.get_world_size()

@@ -87,7 +87,7 @@ def check_paths(cfg) -> None:
 def attention_heads(path) -> int | None:
     """The language model's query heads of the checkpoint at `path` (its config.json, or the known numbers of a hub
     id), or None when it cannot be read without a download."""
-    from grpo.memory_plan import KNOWN_SHAPES, PlanError, read_model_shape
+    from grpo.model_shape import KNOWN_SHAPES, PlanError, read_model_shape
 
     if path not in KNOWN_SHAPES and not _readable(path):
         return None

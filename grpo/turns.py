@@ -223,12 +223,12 @@ class ToolEngine:
         return samples
 
 
-def step_metrics(filter_stats: dict, samples) -> dict:
-    """The step's `tool/*` counts (taken out of filter_stats), summed over ranks, and tool/call_share: the share of
-    the trained answers (`samples`) with a tool turn. (Counted at the calls it would also count the answers that
-    dynamic sampling drops and, with partial rollouts, those that train at a later step.) Collective when tools are
-    on (every rank then has the same keys); {} without tools."""
-    counts = {k: filter_stats.pop(k) for k in [k for k in filter_stats if k.startswith("tool/")]}
+def step_metrics(rollout_stats: dict, samples) -> dict:
+    """The step's `tool/*` counts (taken out of rollout_stats, the rollout's StepStats), summed over ranks, and
+    tool/call_share: the share of the trained answers (`samples`) with a tool turn. (Counted at the calls it would
+    also count the answers that dynamic sampling drops and, with partial rollouts, those that train at a later step.)
+    Collective when tools are on (every rank then has the same keys); {} without tools."""
+    counts = {k: rollout_stats.pop(k) for k in [k for k in rollout_stats if k.startswith("tool/")]}
     if not counts:
         return {}
     counts["tool/call_share"] = float(sum(bool(s.turns) for s in samples))

@@ -185,7 +185,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 # vLLM keeps the images and clips it has processed (their pixels, host memory) for requests that
                 # bring them again, by default up to 4 GiB per rank: epochs of a large image set or a tool run's
-                # ever-new crops fill it, 32 GiB on a node of 8. memory_plan.py counts the cap in host memory.
+                # ever-new crops fill it, 32 GiB on a node of 8. plan_advice.format_plan names the cap with host memory.
                 mm_processor_cache_gb=r.mm_cache_gb,
                 use_tqdm_on_load=not quiet,  # its progress bar for loading the checkpoint: with trainer.verbose
                 **platform,
@@ -207,7 +207,7 @@ class VLLMEngine:
         if tags:
             t0 = time.perf_counter()
             # the blocks training freed stay in PyTorch's cache, where vLLM's own allocator cannot use them: give
-            # them back to the device first (memory_plan.py's rollout phase counts on it)
+            # them back to the device first (device_plan.py's rollout phase counts on it)
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=tags)
             self.asleep -= set(tags)

@@ -70,7 +70,7 @@ def longest_sequences():
     (every token a vision token) whose update and log-prob phases fit, at each actor.sequence_parallel_size."""
     import dataclasses
 
-    from grpo import memory_plan
+    from grpo import memory_plan, plan_advice
 
     node = ["trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=80"]
     plan = memory_plan.plan_memory(train_grpo.load_config("configs/geo3k.yaml", node), 8)
@@ -80,10 +80,10 @@ def longest_sequences():
         def fits(tokens, size=size):
             x = dataclasses.replace(plan.settings, sp=size, train_tokens=tokens, nograd_tokens=tokens)
             phases = memory_plan.compute_plan(plan.shape, x)["phases"]
-            return all(sum(phases[p].values()) <= memory_plan.FIT_SHARE * x.gpu_bytes for p in ("update", "log-probs"))
+            return all(sum(phases[p].values()) <= plan_advice.FIT_SHARE * x.gpu_bytes for p in ("update", "log-probs"))
 
         heads = "" if plan.shape.heads % size == 0 else f" ({plan.shape.heads} attention heads: not {size} ways)"
-        print(f"| {size} | {memory_plan._largest(1, 10**7, fits):,}{heads} |")
+        print(f"| {size} | {plan_advice._largest(1, 10**7, fits):,}{heads} |")
 
 
 def main():

@@ -41,7 +41,7 @@ def test_gpu_check_builds_the_real_3b_shape(tmp_path):
 
 def test_gpu_check_builds_the_real_qwen3_5_9b_shape(tmp_path):
     """Guards against a Qwen3.5 check that measures some other model: --family qwen3_5's config must give Qwen3.5-9B's
-    exact parameter count as transformers loads it (9,409,813,744; memory_plan's known shape), 24 linear-attention
+    exact parameter count as transformers loads it (9,409,813,744; model_shape's known shape), 24 linear-attention
     layers of 32, and untied embeddings."""
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -62,11 +62,11 @@ def test_gpu_check_builds_the_real_qwen3_5_9b_shape(tmp_path):
 
 def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
     """Guards against an MoE check that measures some other model: --family qwen3_vl_moe's config must give
-    Qwen3-VL-30B-A3B's parameter count (31,070,754,032, memory_plan's known shape, 3.89 B active) with 128 experts a
+    Qwen3-VL-30B-A3B's parameter count (31,070,754,032, model_shape's known shape, 3.89 B active) with 128 experts a
     layer, 8 routed, in all 48 layers."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from grpo.memory_plan import KNOWN_SHAPES, count_params
+    from grpo.model_shape import KNOWN_SHAPES, count_params
 
     gpu_check = load_gpu_check()
     config = gpu_check.qwen3_vl_30b_a3b_config(gpu_check.real_size_tokenizer("qwen3_vl_moe"))
@@ -83,11 +83,11 @@ def test_gpu_check_builds_the_real_qwen3_vl_30b_a3b_shape(tmp_path):
 
 def test_gpu_check_builds_the_real_qwen3_5_35b_a3b_shape(tmp_path):
     """Guards against a Qwen3.5-MoE check that measures some other model: --family qwen3_5_moe's config must give
-    Qwen3.5-35B-A3B's parameter count (35.11 B, memory_plan's known shape, as transformers loads it) with 256 experts
+    Qwen3.5-35B-A3B's parameter count (35.11 B, model_shape's known shape, as transformers loads it) with 256 experts
     a layer, 8 routed, in all 40 layers, 30 of them linear attention."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from grpo.memory_plan import KNOWN_SHAPES, count_params
+    from grpo.model_shape import KNOWN_SHAPES, count_params
 
     gpu_check = load_gpu_check()
     config = gpu_check.qwen3_5_35b_a3b_config(gpu_check.real_size_tokenizer("qwen3_5_moe"))
@@ -113,12 +113,12 @@ def test_gpu_check_layers_make_an_moe_shape_that_fits_the_lent_machine(tmp_path,
     """Guards against an MoE check that cannot run on the machine lent for it (64 GiB disk, 128 GiB host memory):
     whole, Qwen3-VL-30B-A3B's bf16 checkpoint is 57.9 GiB and Qwen3.5-35B-A3B's 65.4 GiB, which the check refuses to
     write there; with --layers N the shape is its first N layers, each layer, the vocabulary and the tower exactly
-    the real ones (memory_plan's count of the known shape with N layers), and fits with room, LoRA's pinned host copy
+    the real ones (model_shape's count of the known shape with N layers), and fits with room, LoRA's pinned host copy
     included. Layer counts that Qwen3.5's 3:1 pattern does not take, or that the shape has not, stop at the command
     line."""
     import dataclasses
 
-    from grpo.memory_plan import KNOWN_SHAPES, count_params
+    from grpo.model_shape import KNOWN_SHAPES, count_params
 
     gpu_check = load_gpu_check()
     whole = KNOWN_SHAPES[known]

@@ -1,5 +1,6 @@
-"""The memory plan (memory_plan.py): exact parameter counts, each term of the 3B and 7B plans on 8 x 80 GB against
-hand arithmetic, the dry run, and plans that do not fit naming the key to change."""
+"""The memory plan (memory_plan.py and the modules it composes: model_shape, device_plan, host_plan, vllm_memory,
+plan_advice): exact parameter counts, each term of the 3B and 7B plans on 8 x 80 GB against hand arithmetic, the dry
+run, and plans that do not fit naming the key to change."""
 
 import dataclasses
 import json
@@ -9,9 +10,12 @@ import pytest
 import torch
 
 import train_grpo
-from grpo import memory_plan
+from grpo import device_plan, host_plan, memory_plan, model_shape, plan_advice, vllm_memory
 from grpo.config import ActorConfig
-from grpo.memory_plan import GIB, KNOWN_SHAPES, PlanError, count_params, plan_memory, plan_problem, shape_from_config
+from grpo.device_plan import GIB
+from grpo.memory_plan import plan_memory
+from grpo.model_shape import KNOWN_SHAPES, PlanError, count_params, shape_from_config
+from grpo.plan_advice import plan_problem
 from train_grpo import load_config, main
 
 NODE = ["trainer.n_gpus_per_node=8", "trainer.gpu_memory_gib=80"]  # the plan's node, whatever this machine has
@@ -160,7 +164,7 @@ def test_lora_count_equals_the_adapters_peft_injects(name, targets):
         model = AutoModelForImageTextToText.from_config(transformers_config(s))
     lora.add_lora(model, lora.lora_config(actor))
     adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if lora.is_lora_factor(n))  # noqa: E731
-    counts = memory_plan.lora_params(s, 8, targets)
+    counts = model_shape.lora_params(s, 8, targets)
     assert counts["total"] == adapters(model) > 0
     assert counts["layer"] == max(adapters(layer) for layer in model.model.language_model.layers)
     assert counts["vision"] == adapters(model.model.visual)
@@ -237,13 +241,13 @@ def test_activation_formula_matches_what_the_layers_keep(tiny_model_dir):
     tables = model.model.language_model.rotary_emb(x, positions)
     layer = model.model.language_model.layers[0]
     saved = _saved_elems(layer, tables, x, attention_mask=None, position_ids=positions, position_embeddings=tables)
-    assert saved / tokens == pytest.approx(memory_plan.layer_elems(128, 64, 256, False, rope=128)[0], rel=0.01)
+    assert saved / tokens == pytest.approx(device_plan.layer_elems(128, 64, 256, False, rope=128)[0], rel=0.01)
     x = torch.randn(tokens, 128, dtype=torch.bfloat16, requires_grad=True)
     angles = torch.randn(tokens, 64)  # the tower's rotary tables are fp32 (a buffer FSDP2 leaves alone)
     tables = (angles.cos(), angles.sin())
     cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
     saved = _saved_elems(model.model.visual.blocks[0], tables, x, cu_seqlens=cu_seqlens, position_embeddings=tables)
-    expected = memory_plan.layer_elems(128, 128, 256, checkpointing=False, fused_qkv=True)[0]
+    expected = device_plan.layer_elems(128, 128, 256, checkpointing=False, fused_qkv=True)[0]
     assert saved / tokens == pytest.approx(expected, rel=0.01)
 
 
@@ -347,7 +351,7 @@ def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, m
     replayed = plan_memory(load_config(config, [*NODE, "algorithm.routing_replay=r3"]), 8)
     layers, width = (48, 1) if "qwen3_vl" in config else (40, 2)
     assert replayed.numbers["routes"] == 64 * 5 * 4096 * layers * 8 * width
-    assert "the routes replayed" in memory_plan.format_plan(replayed)
+    assert "the routes replayed" in plan_advice.format_plan(replayed)
 
 
 def test_frozen_tower_and_offloaded_reference_shrink_their_terms():
@@ -546,7 +550,7 @@ def test_unknown_model_offline_fails_naming_the_key(monkeypatch):
     """Guards against an unplannable model surfacing as a stack trace: with the hub offline and the model neither
     a directory nor a known size, the error names actor.model_path."""
     with pytest.raises(PlanError, match=r"actor\.model_path='nobody/no-such-model': cannot read its config\.json"):
-        memory_plan.read_model_shape("nobody/no-such-model")
+        model_shape.read_model_shape("nobody/no-such-model")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -618,9 +622,9 @@ def test_offload_and_bf16_levers_are_named(overrides, advice):
 def test_a_cpu_runs_plan_is_of_host_memory_per_rank(monkeypatch):
     """Guards against a CPU run (the tests, the demo) printing a plan of assumed 80 GB GPUs: it is of each rank's
     share of this machine's memory, and vLLM holds its fp32 weights and rollout.cpu_kv_cache_bytes."""
-    monkeypatch.setattr(memory_plan, "host_bytes_per_rank", lambda ranks: 64 * GIB / ranks)
+    monkeypatch.setattr(host_plan, "host_bytes_per_rank", lambda ranks: 64 * GIB / ranks)
     plan = plan_memory(load_config("configs/geo3k.yaml"), 2, host_run=True)
-    text = memory_plan.format_plan(plan)
+    text = plan_advice.format_plan(plan)
     assert "GiB per rank (host memory)" in text and "2 x 32.0 GiB per node (CPU run" in text and "80" not in text
     awake = plan.numbers["phases"]["rollout"]["vllm awake"]
     assert awake == pytest.approx(4 * P_7B / 2 + (1 << 30))  # TP 2; the default 1 GiB KV cache
@@ -675,7 +679,7 @@ def test_level_1_sleep_copy_is_planned_as_the_pinned_allocator_takes_it():
         b = 2 * n // 2  # bf16, half of it on each TP rank
         pinned += _pinned_by_hand(-(-b // (2 * mib)) * 2 * mib) if b >= 10 * mib else b * 32 / 20 if b > mib else b
     pinned += 2 * (P_7B - sum(tensors)) / 2  # norms and biases, in 2 MiB segments (a power of two already)
-    planned = memory_plan.vllm_sleep_copy(KNOWN_SHAPES["Qwen/Qwen2.5-VL-7B-Instruct"], 2)
+    planned = vllm_memory.vllm_sleep_copy(KNOWN_SHAPES["Qwen/Qwen2.5-VL-7B-Instruct"], 2)
     assert planned == pytest.approx(pinned, rel=0.10) and pinned / 1e9 == pytest.approx(15.4, abs=0.1)
     assert not 2 * P_7B / 2 == pytest.approx(pinned, rel=0.10)  # the weights' own size, as planned before: 8.3 GB
 
@@ -749,7 +753,7 @@ def test_the_stand_in_backs_up_what_the_installed_vllm_backs_up(monkeypatch):
         CuMemBackend().suspend(level)
         StandInBackend(stand_in).suspend(level)
     assert stand_in.asked == [("weights", "runtime", "cudagraph"), ("runtime", "cudagraph")]
-    if memory_plan.sleep_backs_up_pools(library_versions()["vllm"]):
+    if vllm_memory.sleep_backs_up_pools(library_versions()["vllm"]):
         assert real.asked == stand_in.asked
         assert allocators.DEFERRABLE_TAGS == StandInAllocator.DEFERRABLE_TAGS
     else:
@@ -767,8 +771,8 @@ def test_vllm_033_sleep_copy_is_the_plans_host_bytes_at_levels_1_and_2(config):
     for level in (1, 2):
         plan = plan_memory(load_config(config, [*NODE, f"rollout.sleep_level={level}"]), 8, vllm_version="0.33.0")
         s, x, host = plan.shape, plan.settings, plan.numbers["host"]
-        *big, rest = memory_plan.vllm_tensors(s)
-        weights = memory_plan.pool_segments([2 * n // x.tp for n in big]) + [2**21] * -(-2 * rest // x.tp // 2**21)
+        *big, rest = vllm_memory.vllm_tensors(s)
+        weights = vllm_memory.pool_segments([2 * n // x.tp for n in big]) + [2**21] * -(-2 * rest // x.tp // 2**21)
         pools = plan.numbers["vllm pools"]
         assert pools["runtime"] and pools["cudagraph"] == []  # the engine leaves sleep_mode_offload_cudagraph off
         allocator = StandInAllocator({"weights": weights, "kv_cache": [20 * GIB], "workspace": [2**26], **pools})
@@ -789,18 +793,18 @@ def test_host_total_counts_the_pools_for_vllm_033_and_not_026(monkeypatch):
     the pools its sleep copies, or a plan for 0.26-0.31 that counts them: 7B, 8 ranks, level 2, against a --mem just
     above 0.26's total; and the printed plan names the term for 0.33 only."""
     plans = {v: plan_memory(load_config("configs/geo3k.yaml", NODE), 8, vllm_version=v) for v in ("0.26.0", "0.33.0")}
-    totals = {v: memory_plan.host_per_node(p.numbers, p.settings) for v, p in plans.items()}
+    totals = {v: host_plan.host_per_node(p.numbers, p.settings) for v, p in plans.items()}
     pools = plans["0.33.0"].numbers["host"]["vllm sleep pools"]
     assert totals["0.33.0"] - totals["0.26.0"] == 8 * pools == 8 * 2**21
     assert plans["0.26.0"].numbers["host"]["vllm sleep pools"] == 0
-    assert [memory_plan.sleep_backs_up_pools(v) for v in ("0.26.0", "0.31.0", "0.32.0", "0.33.0+cu130")] == [
+    assert [vllm_memory.sleep_backs_up_pools(v) for v in ("0.26.0", "0.31.0", "0.32.0", "0.33.0+cu130")] == [
         False, False, True, True
     ]  # fmt: skip
     monkeypatch.setenv("SLURM_MEM_PER_NODE", str(math.ceil(totals["0.26.0"] / 2**20)))  # MB
     problems = {v: plan_problem(plan_memory(load_config("configs/geo3k.yaml", NODE), 8, vllm_version=v))
                 for v in plans}  # fmt: skip
     assert problems["0.26.0"] is None and "this Slurm job may use (--mem)" in problems["0.33.0"]
-    texts = {v: memory_plan.format_plan(p) for v, p in plans.items()}
+    texts = {v: plan_advice.format_plan(p) for v, p in plans.items()}
     assert "read buffer 1.0 + vllm sleep pools 0.002) = 54.5" in texts["0.33.0"]
     assert 'vLLM 0.33.0 copies its "runtime" pool' in texts["0.33.0"] and "sleep pools" not in texts["0.26.0"]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from grpo import loading, memory_plan, offload, optim
+from grpo import loading, offload, optim, vllm_memory
 
 
 def _train_step(model, optimizer, seed):
@@ -72,10 +72,10 @@ def test_offload_round_trip_is_bitwise_and_training_goes_on_as_without(tiny_mode
     assert all(v.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
                for (_, old), (_, v) in zip(moments, _moments(optimizer)))  # fmt: skip
     # what the host takes, against the plan's figure (the shards' and moments' exact bytes): the arenas within 10 %;
-    # a pinned block per tensor, as torch's allocator rounds it (memory_plan.pinned_block), far over
+    # a pinned block per tensor, as torch's allocator rounds it (vllm_memory.pinned_block), far over
     exact = sum(t.nbytes for t in away.values()) + sum(v.nbytes for _, v in moments)
     arenas = sum(arena.block.numel() for arena in [*mover.arenas, mover.moments])
-    per_tensor = sum(memory_plan.pinned_block(t.nbytes) for t in [*away.values(), *(v for _, v in moments)])
+    per_tensor = sum(vllm_memory.pinned_block(t.nbytes) for t in [*away.values(), *(v for _, v in moments)])
     assert exact <= arenas <= 1.1 * exact and per_tensor > 1.1 * exact, (exact, arenas, per_tensor)
     mover.onload(timings)
     assert set(timings) == {"time/offload", "time/onload"}

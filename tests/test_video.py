@@ -303,10 +303,10 @@ def test_text_after_a_video_continues_after_its_last_position(tiny_family_dir):
 def test_memory_plan_bounds_the_tokens_of_a_clip():
     """Guards against a plan that undercounts videos: its tokens per clip at the video budget must bound what
     load_video's frames become for any frame shape, and not by much (Qwen2.5-VL's 28 px and Qwen3-VL's 32 px grid)."""
-    from grpo import memory_plan
+    from grpo import memory_plan, model_shape
 
     for patch, frames in ((14, 32), (16, 7)):
-        shape = memory_plan.ModelShape(1, 1, 1, 1, 1, 1, False, patch=patch)
+        shape = model_shape.ModelShape(1, 1, 1, 1, 1, 1, False, patch=patch)
         clip, pair = memory_plan.video_clip_tokens(shape, frames, 65536)
         side = 2 * patch
         counts = []

@@ -1,0 +1,314 @@
+"""A model's size without its weights: the few numbers of its config.json (ModelShape) and the exact parameter counts
+of each supported family's transformers model, per FSDP2 unit, with those of LoRA's adapters.
+
+The numbers come from a local directory's config.json, the embedded numbers of the known sizes (a hub id: Qwen2.5-VL
+3B to 72B, Qwen3-VL-8B and 32B, Qwen3.5-9B, the two mixtures of experts), or the hub's config.json, never from the
+weights; each supported family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, families.FAMILIES) has its own exact count, checked
+against transformers' models in tests/test_memory_plan.py. They are the memory plan's exact part (memory_plan.py):
+the sharded states follow from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+
+class PlanError(ValueError):
+    """A model whose size cannot be read: no config.json, or not one of a supported family."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool  # tie_word_embeddings: the LM head is the embedding matrix
+    vision_depth: int = 32
+    vision_hidden: int = 1280
+    vision_intermediate: int = 3420
+    patch: int = 14
+    temporal_patch: int = 2
+    in_channels: int = 3
+    merge: int = 2  # spatial_merge_size: merge x merge patches become one LM token
+    family: str = "qwen2_5_vl"  # config.json's model_type
+    head_dim: int = 0  # 0: hidden // heads (Qwen2.5-VL); Qwen3-VL and Qwen3.5 give it
+    vision_positions: int = 0  # Qwen3-VL/Qwen3.5 towers: a learned table of this many position embeddings
+    deepstack: int = 0  # Qwen3-VL: mergers that feed tower layers' outputs into the first decoder layers
+    linear_layers: int = 0  # Qwen3.5: decoder layers with linear attention (gated DeltaNet); the rest full attention
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    conv_kernel: int = 0  # Qwen3.5: the linear layers' causal depthwise convolution
+    # The mixture-of-experts families (`*_moe`): every decoder layer's MLP is `experts` routed experts of
+    # `expert_intermediate`, all stored (in parameters, gradients, optimizer state, the FSDP2 gathers), of which a
+    # token goes through its top `experts_per_token` (in activations and FLOPs), plus Qwen3.5-MoE's shared expert
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+
+    @property
+    def dim(self) -> int:  # one attention head
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def base_family(self) -> str:  # an MoE family's dense sibling, whose attention and tower it has
+        return self.family.removesuffix("_moe")
+
+    @property
+    def active_intermediate(self) -> int:
+        """The MLP width a token goes through: the dense MLP's, or its top-k experts' and the shared expert's."""
+        if not self.experts:
+            return self.intermediate
+        return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate
+
+
+# The public config.json numbers of the known hub ids, so a dry run of the shipped configs needs no download.
+# Qwen2.5-VL 3B and 7B are checked in the tests against their published totals (3.75 B, 8.29 B) and module shapes;
+# 32B and 72B are as their config.json files read (a vision MLP of 3456 instead of 3420), not checked here.
+# Qwen3-VL-8B (8.77 B) and Qwen3.5-9B (9.41 B without the multi-token-prediction layer that transformers does not
+# load; 9.65 B in its files) are checked against transformers' models built on the meta device, and so are the
+# mixtures of experts Qwen3-VL-30B-A3B (31.07 B, 3.89 B active) and Qwen3.5-35B-A3B (35.11 B without its
+# multi-token-prediction layer, 3.90 B active): their numbers as their model cards' config.json give them (the hub's
+# files were not readable where these were written; transformers' Qwen3.5-MoE defaults are the same).
+_QWEN3_TOWER = dict(vision_depth=27, vision_hidden=1152, vision_intermediate=4304, patch=16, vision_positions=2304)
+KNOWN_SHAPES = {
+    "Qwen/Qwen2.5-VL-3B-Instruct": ModelShape(2048, 11008, 36, 16, 2, 151936, tied=True),
+    "Qwen/Qwen2.5-VL-7B-Instruct": ModelShape(3584, 18944, 28, 28, 4, 152064, tied=False),
+    "Qwen/Qwen2.5-VL-32B-Instruct": ModelShape(5120, 27648, 64, 40, 8, 152064, tied=False, vision_intermediate=3456),
+    "Qwen/Qwen2.5-VL-72B-Instruct": ModelShape(8192, 29568, 80, 64, 8, 152064, tied=False, vision_intermediate=3456),
+    "Qwen/Qwen3-VL-8B-Instruct": ModelShape(
+        4096, 12288, 36, 32, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
+    ),
+    # a distillation teacher for the 8B (configs/qwen3_vl_8b_distill_32b.yaml): its published config.json's numbers
+    # (33.4 B parameters), checked against transformers' model built on the meta device
+    "Qwen/Qwen3-VL-32B-Instruct": ModelShape(
+        5120, 25600, 64, 64, 8, 151936, tied=False, family="qwen3_vl", head_dim=128, deepstack=3, **_QWEN3_TOWER
+    ),
+    "Qwen/Qwen3.5-9B": ModelShape(
+        4096, 12288, 32, 16, 4, 248320, tied=False, family="qwen3_5", head_dim=256, linear_layers=24,
+        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        **_QWEN3_TOWER,
+    ),
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": ModelShape(
+        2048, 6144, 48, 32, 4, 151936, tied=False, family="qwen3_vl_moe", head_dim=128, deepstack=3, experts=128,
+        experts_per_token=8, expert_intermediate=768, **_QWEN3_TOWER,
+    ),
+    "Qwen/Qwen3.5-35B-A3B": ModelShape(
+        2048, 0, 40, 16, 2, 248320, tied=False, family="qwen3_5_moe", head_dim=256, linear_layers=30,
+        linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
+        experts=256, experts_per_token=8, expert_intermediate=512, shared_expert_intermediate=512, **_QWEN3_TOWER,
+    ),
+}  # fmt: skip
+
+
+def shape_from_config(config: dict) -> ModelShape:
+    """A config.json as a dict, of any supported family. Files written before transformers 5 keep the text numbers at
+    the top level and may keep tie_word_embeddings in text_config; transformers reads both places, and so does this."""
+    family = config.get("model_type", "qwen2_5_vl")
+    if family not in PARAM_COUNTS:
+        raise KeyError(f"model_type {family!r}")
+    text = {**config, **config.get("text_config", {})}
+    vision = config["vision_config"]
+    base, is_moe = family.removesuffix("_moe"), family.endswith("_moe")
+    if is_moe and (text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1):
+        raise KeyError("mlp_only_layers / decoder_sparse_step: dense MLP layers among the experts are not counted")
+    layer_types = text.get("layer_types") or []
+    if base == "qwen3_5" and not layer_types:  # transformers' default: every full_attention_interval-th is full
+        every = text.get("full_attention_interval", 4)
+        layer_types = ["full_attention" if (i + 1) % every == 0 else "x" for i in range(text["num_hidden_layers"])]
+    return ModelShape(
+        hidden=text["hidden_size"],
+        intermediate=text.get("intermediate_size", 0) if is_moe else text["intermediate_size"],
+        layers=text["num_hidden_layers"],
+        heads=text["num_attention_heads"],
+        kv_heads=text["num_key_value_heads"],
+        vocab=text["vocab_size"],
+        # the top level's flag when it has one: transformers 5 writes Qwen3-VL-MoE's text_config with its own default
+        # (true) beside the model's false, and ties by the latter
+        tied=bool(config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings"))),
+        vision_depth=vision["depth"],
+        vision_hidden=vision["hidden_size"],
+        vision_intermediate=vision["intermediate_size"],
+        patch=vision["patch_size"],
+        temporal_patch=vision["temporal_patch_size"],
+        in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+        merge=vision["spatial_merge_size"],
+        family=family,
+        head_dim=text.get("head_dim", 0) if family != "qwen2_5_vl" else 0,
+        vision_positions=vision.get("num_position_embeddings", 0) if family != "qwen2_5_vl" else 0,
+        deepstack=len(vision.get("deepstack_visual_indexes", [])) if base == "qwen3_vl" else 0,
+        linear_layers=sum(t != "full_attention" for t in layer_types) if base == "qwen3_5" else 0,
+        linear_key_heads=text.get("linear_num_key_heads", 0),
+        linear_value_heads=text.get("linear_num_value_heads", 0),
+        linear_key_dim=text.get("linear_key_head_dim", 0),
+        linear_value_dim=text.get("linear_value_head_dim", 0),
+        conv_kernel=text.get("linear_conv_kernel_dim", 0),
+        # (config.json names the experts num_experts, or num_local_experts as transformers writes Qwen3-VL-MoE's)
+        experts=text.get("num_experts", text.get("num_local_experts", 0)) if is_moe else 0,
+        experts_per_token=text.get("num_experts_per_tok", 0) if is_moe else 0,
+        expert_intermediate=text.get("moe_intermediate_size", 0) if is_moe else 0,
+        shared_expert_intermediate=text.get("shared_expert_intermediate_size", 0) if base == "qwen3_5" else 0,
+    )
+
+
+def read_model_shape(model_path: str, key: str = "actor.model_path") -> ModelShape:
+    """A local directory's config.json, else a known hub id's embedded numbers, else the hub's config.json (from the
+    cache, or downloaded: a few kB, never the weights). `key`: the config key that names it, for the errors."""
+    if os.path.isdir(model_path):
+        path = os.path.join(model_path, "config.json")
+    elif model_path in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model_path]
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(model_path, "config.json")
+        except Exception as e:  # offline and not cached, no such repository, no network
+            raise PlanError(f"{key}={model_path!r}: cannot read its config.json to plan memory ({e})") from None
+    try:
+        with open(path) as f:
+            return shape_from_config(json.load(f))
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise PlanError(
+            f"{key}={model_path!r}: {path} is not a config.json of a supported family "
+            f"({', '.join(PARAM_COUNTS)}): {e!r}"
+        ) from None
+
+
+# Exact parameter counts of transformers' models, per FSDP2 unit: a decoder layer (the largest, where layers differ),
+# all decoder layers, the vision tower, and the root (what is in neither: embedding, final norm, LM head).
+
+
+def _qwen2_5_vl_layers(s: ModelShape) -> list[int]:
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.dim
+    # q, k, v with biases, o without; gate, up, down without biases; two RMSNorm weights
+    return [(h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h] * s.layers
+
+
+def _mlp(s: ModelShape) -> int:
+    """A decoder layer's MLP: gate, up, down without biases; or an MoE's router (experts x hidden), every expert's
+    gate, up and down (stored as two 3-D tensors), and Qwen3.5-MoE's shared expert with its one-output gate."""
+    h = s.hidden
+    if not s.experts:
+        return 3 * h * s.intermediate
+    shared = 3 * h * s.shared_expert_intermediate + h if s.shared_expert_intermediate else 0
+    return s.experts * h + s.experts * 3 * h * s.expert_intermediate + shared
+
+
+def _qwen3_vl_layers(s: ModelShape) -> list[int]:
+    h, q, kv = s.hidden, s.heads * s.dim, s.kv_heads * s.dim
+    # q, k, v, o without biases, RMSNorms over each head's q and k; the MLP; two RMSNorm weights
+    return [h * q + 2 * h * kv + q * h + 2 * s.dim + _mlp(s) + 2 * h] * s.layers
+
+
+def _qwen3_5_layers(s: ModelShape) -> list[int]:
+    h, q, kv = s.hidden, s.heads * s.dim, s.kv_heads * s.dim
+    mlp_norms = _mlp(s) + 2 * h
+    # full attention: q_proj also gives the output gate (2q), k, v, o without biases, q/k RMSNorms
+    full = h * 2 * q + 2 * h * kv + q * h + 2 * s.dim + mlp_norms
+    # gated DeltaNet: in_proj_qkv, in_proj_z (gate), in_proj_b and in_proj_a (per value head), a depthwise conv over
+    # q, k and v without bias, dt_bias and A_log per value head, a gated RMSNorm over a value head, out_proj
+    keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
+    vh, conv = s.linear_value_heads, 2 * keys + values
+    linear = h * conv + h * values + 2 * h * vh + conv * s.conv_kernel + 2 * vh + s.linear_value_dim + values * h
+    return [linear + mlp_norms] * s.linear_layers + [full] * (s.layers - s.linear_layers)
+
+
+def _qwen2_5_vl_tower(s: ModelShape) -> int:
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv  # Conv3d without bias
+    # qkv and proj with biases; a gated MLP (gate, up, down) with biases; two RMSNorm weights
+    block = (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + 2 * (hv * iv + iv) + (iv * hv + hv) + 2 * hv
+    # the merger: RMSNorm over each patch, then Linear(merged, merged), GELU, Linear(merged, LM hidden)
+    merger = hv + (merged * merged + merged) + (merged * s.hidden + s.hidden)
+    return patch_embed + s.vision_depth * block + merger
+
+
+def _qwen3_tower(s: ModelShape) -> int:
+    """Qwen3-VL's tower, which Qwen3.5 shares without the deepstack mergers."""
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv + hv  # Conv3d with bias
+    # qkv and proj with biases; a plain MLP (fc1, fc2) with biases; two LayerNorms (weight and bias)
+    block = (hv * 3 * hv + 3 * hv) + (hv * hv + hv) + (hv * iv + iv) + (iv * hv + hv) + 4 * hv
+    mlp = (merged * merged + merged) + (merged * s.hidden + s.hidden)  # a merger's Linear, GELU, Linear
+    # the merger's LayerNorm is over each patch; each deepstack merger's over the merged patches
+    mergers = (2 * hv + mlp) + s.deepstack * (2 * merged + mlp)
+    return patch_embed + s.vision_positions * hv + s.vision_depth * block + mergers
+
+
+PARAM_COUNTS = {  # model_type -> (decoder layers, vision tower)
+    "qwen2_5_vl": (_qwen2_5_vl_layers, _qwen2_5_vl_tower),
+    "qwen3_vl": (_qwen3_vl_layers, _qwen3_tower),
+    "qwen3_5": (_qwen3_5_layers, _qwen3_tower),
+    "qwen3_vl_moe": (_qwen3_vl_layers, _qwen3_tower),
+    "qwen3_5_moe": (_qwen3_5_layers, _qwen3_tower),
+}
+
+
+def count_params(s: ModelShape) -> dict[str, int]:
+    """Exact parameter counts of the family's transformers model (..ForConditionalGeneration), per FSDP2 unit: the
+    largest decoder layer, all of them, the vision tower, and the root; and `active`, those a token goes through
+    (an MoE's top-k experts of each layer, not all of them: what its FLOPs count)."""
+    layers_of, tower_of = PARAM_COUNTS[s.family]
+    layers, vision = layers_of(s), tower_of(s)
+    root = s.vocab * s.hidden + s.hidden + (0 if s.tied else s.vocab * s.hidden)
+    total = root + vision + sum(layers)
+    idle = s.layers * (s.experts - s.experts_per_token) * 3 * s.hidden * s.expert_intermediate  # unrouted experts
+    return {"layer": max(layers), "layers": sum(layers), "vision": vision, "root": root, "total": total,
+            "active": total - idle}  # fmt: skip
+
+
+def decoder_linears(s: ModelShape) -> list[dict[str, tuple[int, int]]]:
+    """Each decoder layer's nn.Linear modules by name: (in, out) features."""
+    h, i, q, kv = s.hidden, s.intermediate, s.heads * s.dim, s.kv_heads * s.dim
+    mlp = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if s.experts:  # the experts are 3-D parameters, no Linear for an adapter; Qwen3.5-MoE's shared expert is one
+        i = s.shared_expert_intermediate
+        shared = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "shared_expert_gate": (h, 1)}
+        mlp = shared if i else {}
+    gated = 2 if s.base_family == "qwen3_5" else 1  # Qwen3.5's q_proj also gives the attention output's gate
+    full = {"q_proj": (h, gated * q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
+    linear = {"in_proj_qkv": (h, 2 * keys + values), "in_proj_z": (h, values), "in_proj_b": (h, s.linear_value_heads),
+              "in_proj_a": (h, s.linear_value_heads), "out_proj": (values, h)}  # fmt: skip
+    return [{**linear, **mlp}] * s.linear_layers + [{**full, **mlp}] * (s.layers - s.linear_layers)
+
+
+def tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:
+    """The vision tower's modules an adapter can go on: (name, (in, out)) for the patch embedding (a Conv3d, whose LoRA
+    factors are a Conv3d of its kernel to rank and a 1x1x1 one from rank), every block's linears and the mergers'."""
+    hv, iv, merged = s.vision_hidden, s.vision_intermediate, s.vision_hidden * s.merge**2
+    if s.family == "qwen2_5_vl":
+        mlp, merger = {"gate_proj": (hv, iv), "up_proj": (hv, iv), "down_proj": (iv, hv)}, {"0": (merged, merged)}
+        merger["2"] = (merged, s.hidden)  # (its nn.Sequential's first and third modules)
+    else:
+        mlp, merger = {"linear_fc1": (hv, iv), "linear_fc2": (iv, hv)}, {"linear_fc1": (merged, merged)}
+        merger["linear_fc2"] = (merged, s.hidden)
+    block = {"qkv": (hv, 3 * hv), "proj": (hv, hv), **mlp}
+    patch_embed = ("proj", (s.in_channels * s.temporal_patch * s.patch**2, hv))
+    blocks = [kv for _ in range(s.vision_depth) for kv in block.items()]
+    return [patch_embed, *blocks, *list(merger.items()) * (1 + s.deepstack)]
+
+
+def lora_params(s: ModelShape, rank: int, targets) -> dict[str, int]:
+    """Exact parameter counts of LoRA adapters of `rank` on the modules actor.lora_target_modules names (lora.py
+    reads them the same way: a plain name is a decoder-layer projection, `visual.NAME` one of the vision tower's,
+    `lm_head` the output head, `experts` an MoE's routed experts); an adapter on an (in, out) Linear has
+    rank x (in + out), one on an experts parameter (E, out, in) that for each of its E experts. Per FSDP2 unit: the
+    largest decoder layer's, the vision tower's, the root's (the head), and all."""
+    text = {t.split(".")[-1] for t in targets if not t.startswith("visual.") and t != "lm_head"}
+    vision = {t.split(".")[-1] for t in targets if t.startswith("visual.")}
+    h, i = s.hidden, s.expert_intermediate
+    experts = rank * s.experts * ((h + 2 * i) + (i + h)) if "experts" in text else 0  # gate_up_proj, down_proj
+    layers = [experts + rank * sum(a + b for name, (a, b) in layer.items() if name in text)
+              for layer in decoder_linears(s)]  # fmt: skip
+    tower = rank * sum(a + b for name, (a, b) in tower_linears(s) if name in vision)
+    head = rank * (s.hidden + s.vocab) if "lm_head" in targets else 0
+    return {"layer": max(layers), "vision": tower, "root": head, "total": sum(layers) + tower + head}
