@@ -1,6 +1,6 @@
 """What differs between the model families this trainer supports (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's
-mixtures of experts): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward, the
-weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
+mixtures of experts, GLM-4.1V): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward,
+the weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
 these families, whole, is loading.unsupported_model.
 """
 
@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# GLM-4.1V's: each image is `<|begin_of_image|>` + one `<|image|>` per merged token + `<|end_of_image|>` (a video's
+# frames likewise, inside `<|begin_of_video|>` ... `<|end_of_video|>`)
+GLM_VISION_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|image|>",
+                     "<|video|>")  # fmt: skip
 
 
 def tower_and_layers(model):
@@ -65,6 +69,10 @@ FAMILIES = {
     "qwen3_5": Family(tower_and_layers, 32, **_QWEN3_5),
     "qwen3_vl_moe": Family(tower_and_layers, 32, moe=True),
     "qwen3_5_moe": Family(tower_and_layers, 32, **_QWEN3_5, moe=True),
+    # GLM-4.1V: Qwen2.5-VL's 28 px tokens and 3-D positions (its get_rope_index takes the same arguments), its own
+    # tower (learned position embeddings, a conv downsample before the merger, all inside model.visual), decoder
+    # layers and vision tokens
+    "glm4v": Family(tower_and_layers, 28, vision_tokens=GLM_VISION_TOKENS),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 

@@ -1,6 +1,6 @@
-"""Model families: Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the mixture-of-experts Qwen3-VL-MoE and Qwen3.5-MoE through
-the same loading, packing and shared-prefix code, each held to a reference computation on a tiny random model of its
-own family (real config, processor and tokenizer classes, scripts/make_tiny_model.py --family)."""
+"""Model families: Qwen2.5-VL, Qwen3-VL, Qwen3.5, the mixture-of-experts Qwen3-VL-MoE and Qwen3.5-MoE, and
+GLM-4.1V through the same loading, packing and shared-prefix code, each held to a reference computation on a tiny
+random model of its own family (real config, processor and tokenizer classes, scripts/make_tiny_model.py --family)."""
 
 import json
 import math
@@ -17,8 +17,8 @@ from tests.launch import free_port, torchrun
 from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
-FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"]
-SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe"
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"]
+SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, glm4v"
 
 
 def _grads(model):
@@ -104,7 +104,7 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"])
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
@@ -375,7 +375,7 @@ def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
 
     processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
     side = media.image_side(processor.image_processor)
-    assert side == families.FAMILIES[family].image_side == (28 if family == "qwen2_5_vl" else 32)
+    assert side == families.FAMILIES[family].image_side == (28 if family in ("qwen2_5_vl", "glm4v") else 32)
     min_pixels, max_pixels = 56 * 56, 112 * 112
     media.set_pixel_range(processor, min_pixels, max_pixels)
     img = media.fit_image(Image.new("L", size, 128), min_pixels, max_pixels, side)
