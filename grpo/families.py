@@ -49,6 +49,13 @@ class Family:
     # Routed experts in every decoder layer (moe.py): 3-D expert parameters, stored in the checkpoint in a layout of
     # their own, computed by transformers' experts_implementation.
     moe: bool = False
+    # What the family cannot do here yet, each refused at start (refusal) naming its key: videos (GLM-4.1V writes a
+    # video as one image block per frame with its timestamp in text, which neither the one-pass tower call of
+    # logprobs.encode_vision nor video.py's token counts know), tool turns (turns.py writes them in Qwen's chat
+    # format) and sequence parallelism (untested on any but Qwen's attention).
+    videos: bool = True
+    tools: bool = True
+    sequence_parallel: bool = True
 
 
 # model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
@@ -72,7 +79,9 @@ FAMILIES = {
     # GLM-4.1V: Qwen2.5-VL's 28 px tokens and 3-D positions (its get_rope_index takes the same arguments), its own
     # tower (learned position embeddings, a conv downsample before the merger, all inside model.visual), decoder
     # layers and vision tokens
-    "glm4v": Family(tower_and_layers, 28, vision_tokens=GLM_VISION_TOKENS),
+    "glm4v": Family(
+        tower_and_layers, 28, vision_tokens=GLM_VISION_TOKENS, videos=False, tools=False, sequence_parallel=False
+    ),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -82,6 +91,24 @@ def unsupported_type(model_type) -> str | None:
     if model_type in SUPPORTED_MODEL_TYPES:
         return None
     return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+
+
+def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0) -> str | None:
+    """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
+    run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
+    again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most)."""
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        return None
+    sp, videos = sequence_parallel_size, max_videos_per_prompt
+    asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
+            ("rollout.tools", list(tools), bool(tools), fam.tools),
+            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos))  # fmt: skip
+    for key, value, on, can in asks:
+        if on and not can:
+            what = "videos (data.video_key)" if key.endswith("videos_per_prompt") else key
+            return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
+    return None
 
 
 def family(model) -> Family:

@@ -565,6 +565,10 @@ def build_glm4v_config(tokenizer) -> Glm4vConfig:
         max_position_embeddings=32768,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
+        # q/k/v have biases in transformers whatever the config says, in vLLM only when it says so (its Glm4Attention
+        # reads this key, which GLM-4.1V's config.json carries): without it vLLM drops the biases from every load and
+        # sync, which a random model, its biases initialised to 0, would not show until they are trained
+        attention_bias=True,
         # half of head_dim rotates (32 dims, half 16), split into t/h/w sections as the real model's [8, 12, 12]
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "mrope_section": [4, 6, 6]},

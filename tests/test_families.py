@@ -208,9 +208,11 @@ def test_image_processor_of_another_family_stops_at_start(tiny_family_dir, tmp_p
 # also moves some tokens to other experts (0.5% of a layer's tokens, on the perturbed weights the check syncs; the
 # trainer's own fp32-vs-bf16 gap on those weights is 0.47), which moves them and the tokens after them by up to
 # 0.7: a max cannot tell that from a sync that did not arrive (~2). What does is the share of tokens beyond bf16
-# rounding (0.05): at most 4% after the sync (measured), 95% before it.
+# rounding (0.05): at most 4% after the sync (measured), 95% before it. GLM-4.1V's engine is fp32 (measured 1e-6 text
+# and image; a sync that dropped the q/k/v biases, as vLLM does for a config without attention_bias, leaves ~1); it
+# takes no videos (families.Family.videos), and vllm_check gives it none.
 VLLM_BOUNDS = {"qwen3_vl": (1e-4, 0.05), "qwen3_5": (0.05, 0.05), "qwen3_vl_moe": (1e-4, 0.05),
-               "qwen3_5_moe": (1.0, 1.0)}  # fmt: skip
+               "qwen3_5_moe": (1.0, 1.0), "glm4v": (1e-4, 1e-4)}  # fmt: skip
 
 
 # The share of (token, layer) pairs whose experts (the router's top-k set) differ between vLLM and the trainer over
@@ -244,10 +246,11 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
     family, ranks = vllm_run
     text_bound, image_bound = VLLM_BOUNDS[family]
     fp32 = families.FAMILIES[family].vllm_cpu_dtype == torch.float32
+    kinds = ("text", "image", "video") if families.FAMILIES[family].videos else ("text", "image")
     for rank in ranks:
         floating, other, kernels = rank["discarded"]
         assert floating > 40 and other == 0 and kernels >= 10, rank["discarded"]
-        assert all(math.isfinite(rank[f"diff_{k}"]) for k in ("text", "image", "video")), rank
+        assert all(math.isfinite(rank[f"diff_{k}"]) for k in kinds), rank
         layers, packed = rank["linear_kernels_after_sync"]
         assert layers >= 10 and (packed == 0 or not fp32), (layers, packed)
         if family.endswith("_moe"):  # 2 layers x 4 experts x (gate, up, down)
@@ -259,13 +262,13 @@ def test_vllm_logprobs_equal_the_trainers_after_sync(vllm_run):
         assert rank["diff_before_sync"] > 0.5  # the perturbation is visible before the sync
         assert rank["diff_text"] <= text_bound, rank["diff_text"]
         assert rank["diff_image"] <= image_bound, rank["diff_image"]
-        assert rank["diff_video"] <= image_bound, rank["diff_video"]
+        assert "video" not in kinds or rank["diff_video"] <= image_bound, rank["diff_video"]
         assert rank["vision_tokens_unbiased"] > 5 and rank["vision_tokens"] == 0
         assert rank["prompt_index"] == [p for p in range(4) for _ in range(4)]
         assert rank["repeat_equal"] and not rank["other_seed_equal"]
     if family.endswith("_moe"):
         routing_mismatch(family, ranks)
-    most = {k: max(r[f"diff_{k}"] for r in ranks) for k in ("text", "image", "video")}
+    most = {k: max(r[f"diff_{k}"] for r in ranks) for k in kinds}
     over = max(max(r["over_text"], r["over_image"]) for r in ranks)
     before = min(r["over_before_sync"] for r in ranks)
     print(f"{family}: vLLM (its weights NaN before the first sync) vs trainer max |dlogp| "
