@@ -386,3 +386,36 @@ def test_images_are_fitted_to_the_familys_patch(tiny_family_dir, family, size):
     grid = processor.image_processor(images=[img])["image_grid_thw"][0]
     counted = media.image_token_count(processor.image_processor, *size, min_pixels, max_pixels)
     assert int(grid.prod()) // processor.image_processor.merge_size**2 == counted
+
+
+def test_what_glm4v_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
+    """Guards against a GLM-4.1V run that starts and fails later (or trains wrong) on what the family does not have
+    yet: sequence parallelism, tool turns (written in Qwen's chat format), videos (GLM writes a video as timestamped
+    image blocks, which the trainer's video path does not build) -- asked by the config, or brought by the data with
+    rollout.max_videos_per_prompt at -1. Each stops the dry run in one line naming its key; the same run without them
+    passes every check."""
+    import train_grpo
+    from scripts.make_synthetic_data import make_geo3k_like, make_mixed_media
+
+    images = make_geo3k_like(str(tmp_path / "images.parquet"), n_rows=32, seed=0)
+    mixed = make_mixed_media(str(tmp_path / "mixed.parquet"), n_rows=32, seed=0)
+    monkeypatch.setattr(train_grpo, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
+
+    def dry_run(data, *overrides):
+        args = ["configs/tiny.yaml", f"actor.model_path={tiny_family_dir('glm4v')}", f"data.train_files={data}",
+                f"data.val_files={data}", *overrides, "--dry-run"]  # fmt: skip
+        code = train_grpo.main(args)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    code, out = dry_run(images)
+    assert code == 0 and "dry run: 6 of 6 checks passed" in out, out
+    asks = [
+        (images, "actor.sequence_parallel_size=2", "actor.sequence_parallel_size=2"),
+        (images, "rollout.tools=[grpo/tools.py:crop]", "rollout.tools=['grpo/tools.py:crop']"),
+        (images, "rollout.max_videos_per_prompt=1", "rollout.max_videos_per_prompt=1"),
+        (mixed, "rollout.max_videos_per_prompt=-1", "rollout.max_videos_per_prompt=1"),  # (-1: the data's most)
+    ]
+    for data, override, key in asks:
+        code, out = dry_run(data, override)
+        assert code != 0 and f"{key}: a glm4v model cannot train with" in out, (override, out)
