@@ -59,10 +59,11 @@ class Family:
 
 
 # model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
-# in-memory weight names transformers gives the dense three are the ones vLLM's loaders take (their
-# hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs a name
-# mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every layer: the
-# same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision tokens.
+# in-memory weight names transformers gives the dense families (Qwen's three, GLM-4.1V) are the ones vLLM's loaders
+# take (their hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs
+# a name mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every
+# layer: the same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision
+# tokens.
 # (Qwen3.5's CPU engine shares no prefix, and vLLM sizes a hybrid model's blocks to its linear-attention state's:
 # it keeps vLLM's own block size, not rollout.py's 32)
 _QWEN3_5 = dict(
