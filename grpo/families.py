@@ -56,6 +56,10 @@ class Family:
     videos: bool = True
     tools: bool = True
     sequence_parallel: bool = True
+    # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
+    # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
+    # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
+    vllm_text_config: dict = field(default_factory=dict)
 
 
 # model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
@@ -71,6 +75,13 @@ _QWEN3_5 = dict(
     vllm_cpu_kwargs={"enable_prefix_caching": False, "block_size": None},
     vllm_cpu_dtype=torch.bfloat16,
 )
+_GLM4V = dict(
+    vision_tokens=GLM_VISION_TOKENS,
+    videos=False,
+    tools=False,
+    sequence_parallel=False,
+    vllm_text_config={"attention_bias": True},
+)
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
     "qwen3_vl": Family(tower_and_layers, 32),
@@ -80,9 +91,7 @@ FAMILIES = {
     # GLM-4.1V: Qwen2.5-VL's 28 px tokens and 3-D positions (its get_rope_index takes the same arguments), its own
     # tower (learned position embeddings, a conv downsample before the merger, all inside model.visual), decoder
     # layers and vision tokens
-    "glm4v": Family(
-        tower_and_layers, 28, vision_tokens=GLM_VISION_TOKENS, videos=False, tools=False, sequence_parallel=False
-    ),
+    "glm4v": Family(tower_and_layers, 28, **_GLM4V),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -94,13 +103,22 @@ def unsupported_type(model_type) -> str | None:
     return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
 
 
-def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0) -> str | None:
+def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0,
+            engine: str = "hf", text_config=None) -> str | None:  # fmt: skip
     """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
     run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
-    again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most)."""
+    again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most).
+    `text_config`: the checkpoint's (its config's get_text_config()), held to Family.vllm_text_config when the
+    engine is vLLM."""
     fam = FAMILIES.get(model_type)
     if fam is None:
         return None
+    for key, want in fam.vllm_text_config.items() if engine == "vllm" else ():
+        got = getattr(text_config, key, None)
+        if got != want:
+            return (f"rollout.engine=vllm: the checkpoint's text_config has {key}={got!r}, and vLLM's {model_type} "
+                    f"model reads it (transformers' does not): it needs {want!r} to hold all of the checkpoint's "
+                    "weights (rollout.engine=hf does not read it)")  # fmt: skip
     sp, videos = sequence_parallel_size, max_videos_per_prompt
     asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
             ("rollout.tools", list(tools), bool(tools), fam.tools),

@@ -95,9 +95,10 @@ def family_refusal(cfg) -> str | None:
         return None
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(path).model_type
+    config = AutoConfig.from_pretrained(path)
     r = cfg.rollout
-    return families.refusal(model_type, cfg.actor.sequence_parallel_size, r.tools, r.max_videos_per_prompt)
+    return families.refusal(config.model_type, cfg.actor.sequence_parallel_size, r.tools, r.max_videos_per_prompt,
+                            r.engine, config.get_text_config())  # fmt: skip
 
 
 def attention_heads(path) -> int | None:
