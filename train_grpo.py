@@ -658,6 +658,9 @@ def load_datasets(cfg, processor, rank, world, columns):
                          f"(data.rollout_batch_size={d.rollout_batch_size}): lower it or add data")  # fmt: skip
     total_steps = cfg.trainer.max_steps or steps_per_epoch * cfg.trainer.total_epochs
     rollout.check_prompt_limits(cfg.rollout, [train_set, val_set])  # the engine's, before it starts
+    refused = preflight.family_refusal(cfg)  # (a family without videos, and data that has them)
+    if refused:
+        raise SystemExit(f"error: {refused}")
     media = rollout.data_media([train_set, val_set])  # what the data has, not the engine's limits
     print0(f"train: {len(train_set)} prompts ({train_set.n_skipped} bad rows skipped, {train_set.n_overlong} longer "
            f"than {d.max_prompt_length} tokens dropped) | val: {len(val_set) if val_set else 0} prompts | "

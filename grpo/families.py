@@ -1,6 +1,6 @@
 """What differs between the model families this trainer supports (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's
-mixtures of experts): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward, the
-weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
+mixtures of experts, GLM-4.1V): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward,
+the weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
 these families, whole, is loading.unsupported_model.
 """
 
@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+# GLM-4.1V's: each image is `<|begin_of_image|>` + one `<|image|>` per merged token + `<|end_of_image|>` (a video's
+# frames likewise, inside `<|begin_of_video|>` ... `<|end_of_video|>`)
+GLM_VISION_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|image|>",
+                     "<|video|>")  # fmt: skip
 
 
 def tower_and_layers(model):
@@ -45,13 +49,25 @@ class Family:
     # Routed experts in every decoder layer (moe.py): 3-D expert parameters, stored in the checkpoint in a layout of
     # their own, computed by transformers' experts_implementation.
     moe: bool = False
+    # What the family cannot do here yet, each refused at start (refusal) naming its key: videos (GLM-4.1V writes a
+    # video as one image block per frame with its timestamp in text, which neither the one-pass tower call of
+    # logprobs.encode_vision nor video.py's token counts know), tool turns (turns.py writes them in Qwen's chat
+    # format) and sequence parallelism (untested on any but Qwen's attention).
+    videos: bool = True
+    tools: bool = True
+    sequence_parallel: bool = True
+    # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
+    # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
+    # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
+    vllm_text_config: dict = field(default_factory=dict)
 
 
 # model_type (config.json) -> its Family: the families this trainer knows how to load, shard, pack and sync. The
-# in-memory weight names transformers gives the dense three are the ones vLLM's loaders take (their
-# hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs a name
-# mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every layer: the
-# same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision tokens.
+# in-memory weight names transformers gives the dense families (Qwen's three, GLM-4.1V) are the ones vLLM's loaders
+# take (their hf_to_vllm_mapper maps `model.language_model.` / `model.visual.` / `lm_head.`), so no dense family needs
+# a name mapping for the sync. The mixture-of-experts ones are their dense siblings with routed experts in every
+# layer: the same FSDP2 units (a decoder layer's unit holds its experts, sharded by expert), positions and vision
+# tokens.
 # (Qwen3.5's CPU engine shares no prefix, and vLLM sizes a hybrid model's blocks to its linear-attention state's:
 # it keeps vLLM's own block size, not rollout.py's 32)
 _QWEN3_5 = dict(
@@ -59,12 +75,23 @@ _QWEN3_5 = dict(
     vllm_cpu_kwargs={"enable_prefix_caching": False, "block_size": None},
     vllm_cpu_dtype=torch.bfloat16,
 )
+_GLM4V = dict(
+    vision_tokens=GLM_VISION_TOKENS,
+    videos=False,
+    tools=False,
+    sequence_parallel=False,
+    vllm_text_config={"attention_bias": True},
+)
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
     "qwen3_vl": Family(tower_and_layers, 32),
     "qwen3_5": Family(tower_and_layers, 32, **_QWEN3_5),
     "qwen3_vl_moe": Family(tower_and_layers, 32, moe=True),
     "qwen3_5_moe": Family(tower_and_layers, 32, **_QWEN3_5, moe=True),
+    # GLM-4.1V: Qwen2.5-VL's 28 px tokens and 3-D positions (its get_rope_index takes the same arguments), its own
+    # tower (learned position embeddings, a conv downsample before the merger, all inside model.visual), decoder
+    # layers and vision tokens
+    "glm4v": Family(tower_and_layers, 28, **_GLM4V),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -74,6 +101,33 @@ def unsupported_type(model_type) -> str | None:
     if model_type in SUPPORTED_MODEL_TYPES:
         return None
     return f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+
+
+def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0,
+            engine: str = "hf", text_config=None) -> str | None:  # fmt: skip
+    """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
+    run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
+    again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most).
+    `text_config`: the checkpoint's (its config's get_text_config()), held to Family.vllm_text_config when the
+    engine is vLLM."""
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        return None
+    for key, want in fam.vllm_text_config.items() if engine == "vllm" else ():
+        got = getattr(text_config, key, None)
+        if got != want:
+            return (f"rollout.engine=vllm: the checkpoint's text_config has {key}={got!r}, and vLLM's {model_type} "
+                    f"model reads it (transformers' does not): it needs {want!r} to hold all of the checkpoint's "
+                    "weights (rollout.engine=hf does not read it)")  # fmt: skip
+    sp, videos = sequence_parallel_size, max_videos_per_prompt
+    asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
+            ("rollout.tools", list(tools), bool(tools), fam.tools),
+            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos))  # fmt: skip
+    for key, value, on, can in asks:
+        if on and not can:
+            what = "videos (data.video_key)" if key.endswith("videos_per_prompt") else key
+            return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
+    return None
 
 
 def family(model) -> Family:

@@ -141,8 +141,8 @@ def shape_from_config(config: dict) -> ModelShape:
         in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
         merge=vision["spatial_merge_size"],
         family=family,
-        head_dim=text.get("head_dim", 0) if family != "qwen2_5_vl" else 0,
-        vision_positions=vision.get("num_position_embeddings", 0) if family != "qwen2_5_vl" else 0,
+        head_dim=text.get("head_dim", 0) if family not in ("qwen2_5_vl", "glm4v") else 0,
+        vision_positions=_vision_positions(family, vision),
         deepstack=len(vision.get("deepstack_visual_indexes", [])) if base == "qwen3_vl" else 0,
         linear_layers=sum(t != "full_attention" for t in layer_types) if base == "qwen3_5" else 0,
         linear_key_heads=text.get("linear_num_key_heads", 0),
@@ -156,6 +156,14 @@ def shape_from_config(config: dict) -> ModelShape:
         expert_intermediate=text.get("moe_intermediate_size", 0) if is_moe else 0,
         shared_expert_intermediate=text.get("shared_expert_intermediate_size", 0) if base == "qwen3_5" else 0,
     )
+
+
+def _vision_positions(family: str, vision: dict) -> int:
+    """The tower's learned position embeddings: Qwen3-VL's and Qwen3.5's num_position_embeddings, GLM-4.1V's one per
+    patch of an image_size image, none in Qwen2.5-VL's."""
+    if family == "glm4v":
+        return (vision.get("image_size", 336) // vision["patch_size"]) ** 2
+    return vision.get("num_position_embeddings", 0) if family != "qwen2_5_vl" else 0
 
 
 def read_model_shape(model_path: str, key: str = "actor.model_path") -> ModelShape:
@@ -243,12 +251,32 @@ def _qwen3_tower(s: ModelShape) -> int:
     return patch_embed + s.vision_positions * hv + s.vision_depth * block + mergers
 
 
+def _glm4v_layers(s: ModelShape) -> list[int]:
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.dim
+    # q, k, v with biases, o without; the MLP's gate and up as one Linear (gate_up_proj), down; four RMSNorm weights
+    # (before and after attention, before and after the MLP)
+    return [(h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 4 * h] * s.layers
+
+
+def _glm4v_tower(s: ModelShape) -> int:
+    """GLM-4.1V's tower: its blocks' MLPs are as wide as the language model (out_hidden_size), the merge is a conv
+    downsample to the language model's width, and the merger a gated MLP of vision_intermediate after a projection."""
+    hv, iv, h = s.vision_hidden, s.vision_intermediate, s.hidden
+    patch_embed = s.in_channels * s.temporal_patch * s.patch**2 * hv + hv  # Conv3d with bias
+    # qkv and proj without biases (attention_bias false, as the checkpoint's); gate, up, down; two RMSNorm weights
+    block = hv * 3 * hv + hv * hv + 3 * hv * h + 2 * hv
+    downsample = hv * s.merge**2 * h + h  # Conv2d (merge x merge kernel) with bias, after an RMSNorm
+    merger = h * h + 2 * h + 3 * h * iv  # projection, LayerNorm (weight and bias), gate, up, down
+    return patch_embed + s.vision_positions * hv + s.vision_depth * block + hv + downsample + hv + merger
+
+
 PARAM_COUNTS = {  # model_type -> (decoder layers, vision tower)
     "qwen2_5_vl": (_qwen2_5_vl_layers, _qwen2_5_vl_tower),
     "qwen3_vl": (_qwen3_vl_layers, _qwen3_tower),
     "qwen3_5": (_qwen3_5_layers, _qwen3_tower),
     "qwen3_vl_moe": (_qwen3_vl_layers, _qwen3_tower),
     "qwen3_5_moe": (_qwen3_5_layers, _qwen3_tower),
+    "glm4v": (_glm4v_layers, _glm4v_tower),
 }
 
 
@@ -273,6 +301,8 @@ def decoder_linears(s: ModelShape) -> list[dict[str, tuple[int, int]]]:
         i = s.shared_expert_intermediate
         shared = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "shared_expert_gate": (h, 1)}
         mlp = shared if i else {}
+    if s.family == "glm4v":  # GLM-4.1V's gate and up are one Linear
+        mlp = {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
     gated = 2 if s.base_family == "qwen3_5" else 1  # Qwen3.5's q_proj also gives the attention output's gate
     full = {"q_proj": (h, gated * q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
     keys, values = s.linear_key_heads * s.linear_key_dim, s.linear_value_heads * s.linear_value_dim
@@ -288,6 +318,10 @@ def tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:
     if s.family == "qwen2_5_vl":
         mlp, merger = {"gate_proj": (hv, iv), "up_proj": (hv, iv), "down_proj": (iv, hv)}, {"0": (merged, merged)}
         merger["2"] = (merged, s.hidden)  # (its nn.Sequential's first and third modules)
+    elif s.family == "glm4v":  # blocks' MLPs as wide as the language model; a projection, then a gated MLP
+        h = s.hidden
+        mlp = {"gate_proj": (hv, h), "up_proj": (hv, h), "down_proj": (h, hv)}
+        merger = {"proj": (h, h), "gate_proj": (h, iv), "up_proj": (h, iv), "down_proj": (iv, h)}
     else:
         mlp, merger = {"linear_fc1": (hv, iv), "linear_fc2": (iv, hv)}, {"linear_fc1": (merged, merged)}
         merger["linear_fc2"] = (merged, s.hidden)

@@ -27,7 +27,7 @@ import socket
 from urllib.parse import urlparse
 
 from data import MissingColumn, PromptDataset, RepeatedInstruction, batches_per_epoch, local_files
-from grpo import turns
+from grpo import families, turns
 from grpo.config import ConfigError
 from grpo.distill import teacher_problem
 from grpo.grading import call_reward, keyword_columns, load_reward_fn, peer_contract, resolve_spec, reward_kwargs
@@ -60,6 +60,9 @@ def check_paths(cfg) -> None:
     unsupported = unsupported_model(path, needs_experts=next((k for k, on in needs_experts.items() if on), None))
     if unsupported:
         raise ConfigError(f"actor.model_path={path!r}: {unsupported}")
+    refused = family_refusal(cfg)
+    if refused:
+        raise ConfigError(refused)
     sp = cfg.actor.sequence_parallel_size
     for key, model in (("actor.model_path", path), ("distill.model_path", cfg.distill.model_path)):  # (both are cut)
         heads = attention_heads(model) if model else None
@@ -82,6 +85,20 @@ def check_paths(cfg) -> None:
                 local_files(spec)  # raises for a missing local path, or a directory without data files
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"data.{key}: {e}") from None
+
+
+def family_refusal(cfg) -> str | None:
+    """What the config asks that the checkpoint's family cannot do here yet (families.refusal), naming the key, or
+    None; a checkpoint whose config.json is not readable without a download is left to the model checks."""
+    path = cfg.actor.model_path
+    if not _readable(path):
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    r = cfg.rollout
+    return families.refusal(config.model_type, cfg.actor.sequence_parallel_size, r.tools, r.max_videos_per_prompt,
+                            r.engine, config.get_text_config())  # fmt: skip
 
 
 def attention_heads(path) -> int | None:
@@ -185,6 +202,9 @@ def check_data(cfg, processor, columns, world):
         check_prompt_limits(cfg.rollout, sets)
     except SystemExit as e:
         raise Failed(str(e)) from None
+    refused = family_refusal(cfg)  # rollout.max_videos_per_prompt at -1 is now the data's most
+    if refused:
+        raise Failed(refused)
     return f"{'; '.join(lines)}; {data_media(sets)}", sets
 
 

@@ -91,7 +91,10 @@ class VLLMEngine:
             raise ValueError("rollout.max_images_per_prompt / max_videos_per_prompt at -1 (the data's most): call "
                              "check_prompt_limits with the data before the engine starts")  # fmt: skip
         self.tokenizer = processor.tokenizer
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        # <|image_pad|> (Qwen's), <|image|> (GLM-4.1V's): what each image's run of tokens collapses back to
+        self.image_token_id = getattr(processor, "image_token_id", None) or self.tokenizer.convert_tokens_to_ids(
+            "<|image_pad|>"
+        )
         # -100 is the largest bias vLLM accepts: exp(-100) ~ 4e-44, so these tokens are never drawn
         self.logit_bias = {t: -100.0 for t in vision_token_ids(self.tokenizer, family.vision_tokens)}
         if r.sleep_level > 0 and not on_cuda and rank == 0 and not quiet:

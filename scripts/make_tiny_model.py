@@ -4,11 +4,12 @@ The checkpoint has the real layout of its family (tokenizer class, special token
 processor classes, model class and weight names) but only ~1M parameters, so tests exercise the same
 code paths as the real models (HF training forward, vLLM rollout, weight sync) in seconds. Families:
 qwen2_5_vl (default), qwen3_vl (dense; deepstack mergers, q/k norms, 32 px patches), qwen3_5 (dense; linear-attention
-and full-attention layers mixed), and their mixture-of-experts versions qwen3_vl_moe and qwen3_5_moe (4 experts, top-2;
-Qwen3.5's with its shared expert).
+and full-attention layers mixed), their mixture-of-experts versions qwen3_vl_moe and qwen3_5_moe (4 experts, top-2;
+Qwen3.5's with its shared expert), and glm4v (GLM-4.1V: its own tokenizer, special tokens and chat template, a
+tower with learned position embeddings and a conv downsample before its merger, partial rotary mRoPE).
 
 Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
-       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe] [--tools] [--digit-logit X]
+       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe|glm4v] [--tools] [--digit-logit X]
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import (
     GenerationConfig,
+    Glm4vConfig,
+    Glm4vForConditionalGeneration,
+    Glm4vImageProcessor,
+    Glm4vProcessor,
+    Glm4vVideoProcessor,
+    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
@@ -442,6 +449,167 @@ def build_qwen3_5_config(tokenizer, moe: bool = False) -> Qwen3_5Config | Qwen3_
     )
 
 
+# GLM-4.1V's special tokens, in its id order (151329 .. 151344 in the real vocabulary): the end of text, GLM's mask and
+# start-of-piece markers, the four roles, and the image and video wrappers with their one placeholder each. Here they
+# follow the trained BPE vocabulary in the same order.
+GLM_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+]
+
+# GLM-4's pre-tokenisation (tiktoken's cl100k pattern), which lets digits merge in runs of up to three, unlike Qwen's.
+# The tiny BPE is trained on Qwen's split (train_bpe), so it has no multi-digit merges and each digit stays one token
+# here too (the toy rewards count digits).
+GLM_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Renders like GLM-4.1V's template: `[gMASK]<sop>` once, then each message as its role token, a newline and its
+# content (no end-of-turn token: the next role token ends a turn, and the model ends its answer with `<|user|>` or
+# `<|endoftext|>`), an image or video as its begin/placeholder/end triple, and `<|assistant|>\n` as the generation
+# prompt. No default system turn.
+GLM_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|assistant|>\n"
+    "{% endif %}"
+)
+
+
+def build_glm_tokenizer(seed: int, vocab_size: int, tokenizer_class=PreTrainedTokenizerFast, tools: bool = False):
+    """GLM-4.1V's tokenizer (a byte-level BPE behind transformers' generic fast tokenizer, as the checkpoint's
+    tokenizer.json is) over a tiny trained BPE, with GLM's special tokens and chat template."""
+    if tools:
+        raise ValueError("--tools: the tool turns are written in Qwen's chat format (grpo/turns.py)")
+    vocab, merges = train_bpe(synthetic_corpus(seed), vocab_size)
+    backend = Tokenizer(BPE(vocab=vocab, merges=merges))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GLM_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = tokenizer_class(
+        tokenizer_object=backend,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        model_max_length=65536,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": GLM_SPECIAL_TOKENS[1:]})
+    tokenizer.chat_template = GLM_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_glm4v_processor(tokenizer) -> Glm4vProcessor:
+    """GLM-4.1V's processor: its own image processor at patch 14 x merge 2 (28 px per merged token, as Qwen2.5-VL's),
+    which counts the two temporal copies of an image against its pixel budget, and its video processor."""
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    image_processor = Glm4vImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2)
+    video_processor = Glm4vVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2)
+    return Glm4vProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=GLM_CHAT_TEMPLATE,
+    )
+
+
+def build_glm4v_config(tokenizer) -> Glm4vConfig:
+    """GLM-4.1V shrunk: biased q/k/v, a fused gate_up MLP and four norms per decoder layer, mRoPE over half of each
+    head (partial_rotary_factor 0.5, as the real model's); a tower with learned position embeddings (an 8 x 8 grid,
+    interpolated to the image) and a conv downsample before its merger."""
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in GLM_SPECIAL_TOKENS}
+    special = dict(bos_token_id=None, eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"])
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head_dim = 128 / 2 = 64 (the model derives it; vLLM's CPU attention takes 64)
+        num_key_value_heads=1,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+        # q/k/v have biases in transformers whatever the config says, in vLLM only when it says so (its Glm4Attention
+        # reads this key, which GLM-4.1V's config.json carries): without it vLLM drops the biases from every load and
+        # sync, which a random model, its biases initialised to 0, would not show until they are trained
+        attention_bias=True,
+        # half of head_dim rotates (32 dims, half 16), split into t/h/w sections as the real model's [8, 12, 12]
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [4, 6, 6]},
+        **special,
+    )  # fmt: skip
+    vision_config = dict(
+        depth=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_heads=2,  # head_dim 64
+        in_channels=3,
+        image_size=112,  # 8 x 8 learned position embeddings
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=128,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+    )
+    return Glm4vConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids["<|image|>"],
+        video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"],
+        image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"],
+        video_end_token_id=ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+        **special,
+    )
+
+
+def build_glm_generation_config(tokenizer) -> GenerationConfig:
+    """GLM-4.1V's: an answer ends at the end of text, or where the model starts the next turn (`<|user|>`, or
+    `<|observation|>` for a tool's output)."""
+    stops = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    return GenerationConfig(eos_token_id=stops, pad_token_id=stops[0])
+
+
 # family -> (tokenizer class, processor builder, config builder, model class)
 FAMILIES = {
     "qwen2_5_vl": (Qwen2Tokenizer, build_processor, build_config, Qwen2_5_VLForConditionalGeneration),
@@ -451,6 +619,7 @@ FAMILIES = {
                      Qwen3VLMoeForConditionalGeneration),
     "qwen3_5_moe": (Qwen3_5Tokenizer, build_qwen3_processor, functools.partial(build_qwen3_5_config, moe=True),
                     Qwen3_5MoeForConditionalGeneration),
+    "glm4v": (PreTrainedTokenizerFast, build_glm4v_processor, build_glm4v_config, Glm4vForConditionalGeneration),
 }  # fmt: skip
 
 
@@ -472,7 +641,7 @@ def build_tiny_model(
 ) -> str:
     """Write tokenizer, processor, config, generation config and seeded random fp32 weights to out_dir.
 
-    vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen
+    vocab_size is the size of the trained byte-level BPE vocabulary (>= 256 bytes) before the 14 Qwen (16 GLM)
     special tokens are appended (and with `tools` the two tool-call tokens). `eos_logit` > 0 raises the
     end-of-answer token's logit by about that much: a random model then ends its answers at varied lengths (the
     final hidden states share a mean direction; their projection on it varies by +-40 % from position to position)
@@ -485,7 +654,8 @@ def build_tiny_model(
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(seed, vocab_size, tokenizer_class, tools)
+    glm = family == "glm4v"
+    tokenizer = (build_glm_tokenizer if glm else build_tokenizer)(seed, vocab_size, tokenizer_class, tools)
     processor = make_processor(tokenizer)
     config = make_config(tokenizer)
 
@@ -499,7 +669,7 @@ def build_tiny_model(
             feature = _final_feature(model, tokenizer)
             model.lm_head.weight[:, 0] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(TOOL_TOKENS[1]), 0] = TOOL_CALL_LOGIT / feature
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)  # <|im_end|> (Qwen's), <|endoftext|> (GLM's)
     if loop_logit:
         with torch.no_grad():
             loop = list(LOOP_TOKENS)
@@ -527,7 +697,7 @@ def build_tiny_model(
             feature = _final_feature(model, tokenizer, dim=2)
             model.lm_head.weight[:, 2] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(list("0123456789")), 2] = digit_logit / feature
-    model.generation_config = build_generation_config(tokenizer)
+    model.generation_config = (build_glm_generation_config if glm else build_generation_config)(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
     if family == "qwen3_vl_moe":

@@ -171,6 +171,36 @@ def test_lora_count_equals_the_adapters_peft_injects(name, targets):
     assert counts["root"] == adapters(model.lm_head)
 
 
+@pytest.mark.parametrize("tiny", [True, False])
+def test_glm4v_count_and_lora_count_equal_transformers(tiny_family_dir, tiny):
+    """Guards against planning GLM-4.1V as a Qwen: its four norms a decoder layer, fused gate_up_proj, a tower whose
+    blocks' MLPs are the language model's width, learned position embeddings, a conv downsample and a gated merger.
+    The tiny model's config.json and transformers' default (GLM-4.1V-9B's shape), built on the meta device, have
+    exactly the counted parameters per FSDP2 unit, and LoRA on them exactly the counted adapters."""
+    from transformers import AutoModelForImageTextToText, Glm4vConfig
+
+    from grpo import lora
+
+    config = Glm4vConfig.from_pretrained(tiny_family_dir("glm4v")) if tiny else Glm4vConfig()
+    s = shape_from_config(config.to_dict())
+    targets = ["q_proj", "gate_up_proj", "down_proj", "visual.qkv", "visual.up_proj", "visual.proj", "lm_head"]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    counts, layers = count_params(s), model.model.language_model.layers
+    assert (counts["total"], counts["layer"], counts["vision"]) == (numel(model), numel(layers[0]),
+                                                                     numel(model.model.visual))  # fmt: skip
+    lora.add_lora(model, lora.lora_config(ActorConfig(lora_rank=8, lora_target_modules=targets)))
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if lora.is_lora_factor(n))  # noqa: E731
+    planned = model_shape.lora_params(s, 8, targets)
+    assert (planned["total"], planned["layer"], planned["vision"], planned["root"]) == (
+        adapters(model),
+        adapters(layers[0]),
+        adapters(model.model.visual),
+        adapters(model.lm_head),
+    )
+
+
 # The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
 VISION_BLOCK = 2 * 1280 + (1280 * 3840 + 3840) + (1280 * 1280 + 1280) + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
 VISION_3B = 3 * 2 * 14 * 14 * 1280 + 32 * VISION_BLOCK + 1280 + (5120 * 5120 + 5120) + (5120 * 2048 + 2048)

@@ -278,6 +278,7 @@ def main():
     from grpo.samples import vision_token_ids
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    with_videos = families.family_of(model_dir).videos
     set_pixel_range(processor, MIN_PIXELS, MAX_PIXELS)
     video.set_video_range(processor, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, MAX_FRAMES)
     cfg = train_grpo.load_config(None, [
@@ -285,7 +286,8 @@ def main():
         f"data.min_pixels={MIN_PIXELS}", f"data.max_pixels={MAX_PIXELS}", "data.max_prompt_length=512",
         "data.max_response_length=16", f"rollout.cpu_kv_cache_bytes={64 << 20}", "rollout.max_num_seqs=256",
         f"data.video_min_pixels={VIDEO_MIN_PIXELS}", f"data.video_max_pixels={VIDEO_MAX_PIXELS}",
-        f"data.max_frames={MAX_FRAMES}", "rollout.max_videos_per_prompt=1", "rollout.max_images_per_prompt=1",
+        f"data.max_frames={MAX_FRAMES}", f"rollout.max_videos_per_prompt={int(with_videos)}",
+        "rollout.max_images_per_prompt=1",
         *(["actor.lora_rank=8", "actor.lora_target_modules=[q_proj,down_proj,visual.qkv]"] if with_lora else []),
     ])  # fmt: skip
     train_grpo.check_config(cfg, world)
@@ -361,9 +363,11 @@ def main():
     # the fp32 trainer, that token alone differs by more
     result["over_text"] = max_logprob_diff(model, text, text_samples, ids, 1.0, over=0.05)
     result["over_image"] = max_logprob_diff(model, image, image_samples, ids, 1.0, over=0.05)
-    videos = make_video_prompts(processor, rank)  # vLLM expands each video's pad as the trainer's processor does
-    video_samples = engine.generate(videos, 4, params, seed=seed)
-    result["diff_video"] = max_logprob_diff(model, videos, video_samples, ids, 1.0)
+    videos, video_samples, result["diff_video"] = [], [], None  # (a family that refuses videos has none)
+    if families.family(model).videos:  # vLLM expands each video's pad as the trainer's processor does
+        videos = make_video_prompts(processor, rank)
+        video_samples = engine.generate(videos, 4, params, seed=seed)
+        result["diff_video"] = max_logprob_diff(model, videos, video_samples, ids, 1.0)
     if moe_run:  # one answer of each image and video prompt
         both = image + videos
         answers = image_samples[::4] + [
@@ -380,7 +384,7 @@ def main():
     ]
 
     # Vision tokens: ~1.2% of this random model's vocabulary, so 8 x 32 x 16 tokens would hold dozens of them.
-    vision_ids = set(vision_token_ids(processor.tokenizer))
+    vision_ids = set(vision_token_ids(processor.tokenizer, families.family(model).vision_tokens))
     many = text + image + videos
     result["vision_tokens"] = count_vision_tokens(engine.generate(many, 32, params, seed=seed), vision_ids)
     bias, engine.logit_bias = engine.logit_bias, {}  # control: without the bias they do get sampled
