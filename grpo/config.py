@@ -24,6 +24,11 @@ from grpo.tools import tools_problem
 # Config: one dataclass tree, two levels deep. YAML holds overrides, CLI `section.key=value` beats YAML beats defaults.
 
 
+# LoRA's default targets: the decoder layers' attention and MLP projections (GLM-4.1V's MLP is gate_up_proj, one
+# Linear; no Qwen module has the name)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
 @dataclass
 class DataConfig:
     train_files: str = "hiyouga/geometry3k@train"  # HF `name@split`, or a local parquet/jsonl/json file or directory
@@ -117,9 +122,7 @@ class ActorConfig:
     # modules given adapters: plain names are the language model's decoder-layer projections; `visual.NAME` adapts
     # the vision tower's (visual.qkv), else frozen; `lm_head` the head (not if tied to the embeddings); `experts` an
     # MoE's routed experts, opt-in: most of its weights, a bf16 copy of a layer's per forward (docs/lora.md)
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
 
 @dataclass

@@ -183,7 +183,7 @@ def test_glm4v_count_and_lora_count_equal_transformers(tiny_family_dir, tiny):
 
     config = Glm4vConfig.from_pretrained(tiny_family_dir("glm4v")) if tiny else Glm4vConfig()
     s = shape_from_config(config.to_dict())
-    targets = ["q_proj", "gate_up_proj", "down_proj", "visual.qkv", "visual.up_proj", "visual.proj", "lm_head"]
+    targets = [*DEFAULT_TARGETS, "visual.qkv", "visual.up_proj", "visual.proj", "lm_head"]
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -192,6 +192,7 @@ def test_glm4v_count_and_lora_count_equal_transformers(tiny_family_dir, tiny):
                                                                      numel(model.model.visual))  # fmt: skip
     lora.add_lora(model, lora.lora_config(ActorConfig(lora_rank=8, lora_target_modules=targets)))
     adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if lora.is_lora_factor(n))  # noqa: E731
+    assert adapters(layers[0].mlp.gate_up_proj) > 0  # the default targets reach its fused MLP
     planned = model_shape.lora_params(s, 8, targets)
     assert (planned["total"], planned["layer"], planned["vision"], planned["root"]) == (
         adapters(model),
