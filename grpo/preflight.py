@@ -69,6 +69,11 @@ def check_paths(cfg) -> None:
         if heads and heads % sp:  # else the first training forward stops, after the load and a rollout
             raise ConfigError(f"actor.sequence_parallel_size={sp} must divide the attention heads (Ulysses gives each "
                               f"rank of a group whole heads): {key}={model!r} has {heads} query heads")  # fmt: skip
+    tp = cfg.rollout.tensor_parallel_size
+    split = tensor_parallel_problem(path, tp) if tp > 1 and cfg.rollout.engine == "vllm" else None
+    if split:  # else vLLM fails on every rank in its load or first prefill, after the trainer's load
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} must split the heads vLLM shards over an engine's ranks: "
+                          f"actor.model_path={path!r} has {split}")  # fmt: skip
     teacher = cfg.distill.model_path
     if teacher:  # a teacher that is not there, or cannot score the policy's tokens (a hub id: once it is readable)
         if not os.path.exists(teacher) and not re.fullmatch(r"[\w][\w.-]*/[\w.-]+", teacher):
@@ -112,6 +117,31 @@ def attention_heads(path) -> int | None:
         return read_model_shape(path).heads
     except PlanError:  # not a config.json of a supported family: the model checks say so
         return None
+
+
+def tensor_parallel_problem(path, tp: int) -> str | None:
+    """Which of the checkpoint's head counts vLLM cannot split over `tp` ranks (as "N query heads"), or None (also
+    when its config.json cannot be read without a download). vLLM gives each rank whole query heads and whole
+    linear-attention key and value heads (Qwen3.5's gated DeltaNet), and KV heads whole or replicated: a count that
+    does not divide fails inside its load or first prefill, not at its own config check (which knows the query
+    heads only)."""
+    from grpo.model_shape import KNOWN_SHAPES, PlanError, read_model_shape
+
+    if path not in KNOWN_SHAPES and not _readable(path):
+        return None
+    try:
+        s = read_model_shape(path)
+    except PlanError:
+        return None
+    counts = [(s.heads, "query heads")]
+    if s.linear_layers:
+        counts += [(s.linear_key_heads, "linear-attention key heads"), (s.linear_value_heads, "value heads")]
+    for n, what in counts:
+        if n % tp:
+            return f"{n} {what}"
+    if s.kv_heads % tp and tp % s.kv_heads:  # fewer KV heads than ranks are replicated, tp a multiple of them
+        return f"{s.kv_heads} KV heads"
+    return None
 
 
 def _readable(path) -> bool:

@@ -42,3 +42,18 @@ def test_pairs_that_meet_in_one_path_train_after_their_dry_run(matrix_dir, pair)
         pair, matrix_dir, launch=lambda args, timeout: torchrun(2, "train_grpo.py", *args, timeout=timeout)
     )
     assert result["outcome"] == "trains", result
+
+
+def test_tensor_parallelism_over_heads_vllm_cannot_split_is_refused_at_the_dry_run(matrix_dir):
+    """Guards against a tensor-parallel engine over a model whose heads vLLM cannot split whole: the tiny
+    Qwen3.5-MoE's one linear-attention key head over 2 ranks passed the dry run, and then every rank failed in vLLM's
+    first prefill (a view of the gated DeltaNet's heads), after the trainer's load. Refused at the dry run, naming both
+    keys; the known checkpoints split at 2 and 4 ranks, and Qwen2.5-VL-7B's 28 query heads not at 8."""
+    from grpo.model_shape import KNOWN_SHAPES
+    from grpo.preflight import tensor_parallel_problem
+
+    result = switch_matrix.run_pair(("tp2", "r3"), matrix_dir, train=False)
+    assert result["outcome"] == "refused", result
+    assert "1 linear-attention key heads" in result["detail"]
+    assert all(tensor_parallel_problem(name, tp) is None for name in KNOWN_SHAPES for tp in (2, 4))
+    assert tensor_parallel_problem("Qwen/Qwen2.5-VL-7B-Instruct", 8) == "28 query heads"
