@@ -355,12 +355,13 @@ def test_geo3k_plans_term_by_term(config, hand):
 @pytest.mark.parametrize(
     "config, model, params",
     [("configs/qwen3_vl_8b_geo3k.yaml", "Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696),
-     ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744)],
+     ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744),
+     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472)],
 )  # fmt: skip
 def test_new_family_recipes_fit_one_node(config, model, params):
-    """Guards against shipping a Qwen3-VL or Qwen3.5 recipe that cannot run on 8 x 80 GB: the plan, from the known
-    shape of its hub id (the same numbers transformers builds, above), fits, and its sharded states are those of
-    that many parameters (fp32 weights and gradients, AdamW's two moments, a bf16 reference)."""
+    """Guards against shipping a Qwen3-VL, Qwen3.5 or GLM-4.1V recipe that cannot run on 8 x 80 GB: the plan, from
+    the known shape of its hub id (the same numbers transformers builds, above), fits, and its sharded states are
+    those of that many parameters (fp32 weights and gradients, AdamW's two moments, a bf16 reference)."""
     plan = plan_memory(load_config(config, NODE), 8)
     assert plan.model == model and plan.numbers["params"]["total"] == params
     update = plan.numbers["phases"]["update"]
