@@ -16,6 +16,8 @@ grpo/grading.py loads, checks and runs it (RewardScorer, kept here under its nam
 
 - compute_score: the geo3k recipe, overall = 0.9 * accuracy + 0.1 * format; degenerate answers are settled by
   cheap guards (settle_cheaply) before any symbolic grading.
+- compute_score_think_answer: the same for GLM-4.1V's <think>...</think><answer>...</answer> format, the answer read
+  inside its box tokens, a \\boxed{} or plain.
 - digit_fraction, first_digit, leading_digit: the toy rewards of the CPU, vision and tool demos.
 """
 
@@ -211,6 +213,68 @@ def compute_score(response: str, ground_truth: str) -> dict[str, float]:
     answer = last_boxed(response)
     accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
     format_score = float(has_format(response))
+    return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
+
+
+# -----------------------------------------------------------------------------
+# the GLM-4.1V geo3k reward
+
+# GLM-4.1V-Thinking's own answer format: its reasoning in <think> </think>, then the answer in <answer> </answer>, the
+# final value inside that wrapped in its box tokens, <|begin_of_box|>...<|end_of_box|>.
+BEGIN_OF_BOX, END_OF_BOX = "<|begin_of_box|>", "<|end_of_box|>"
+
+
+def has_think_answer_format(response: str) -> bool:
+    """True if the stripped response is exactly <think>...</think>, then whitespace, then one <answer>...</answer>.
+
+    Chained find()s, as has_format's, so that degenerate outputs cost one pass."""
+    text = response.strip()
+    if not text.startswith("<think>"):
+        return False
+    think_end = text.find("</think>", len("<think>"))
+    if think_end == -1:
+        return False
+    rest = text[think_end + len("</think>") :].lstrip()
+    if not (rest.startswith("<answer>") and rest.endswith("</answer>")):
+        return False
+    inner = rest[len("<answer>") : -len("</answer>")]
+    return "<answer>" not in inner and "</answer>" not in inner
+
+
+def think_answer(response: str) -> str | None:
+    """The final answer of a <think>...</think><answer>...</answer> response: inside the last closed answer block
+    after the thinking, the last box's content (<|begin_of_box|>...<|end_of_box|>), else the last \\boxed{}'s, else
+    the block's text. None if there is no closed answer block after the thinking (a <think> never closed is
+    thinking to the end), or its box is never closed: an answer written inside the thinking, or cut off, is no
+    answer."""
+    think_end = response.rfind("</think>")
+    if response.rfind("<think>") > think_end:
+        return None
+    start = response.rfind("<answer>", think_end + 1 if think_end != -1 else 0)
+    if start == -1:
+        return None
+    start += len("<answer>")
+    end = response.find("</answer>", start)
+    if end == -1:
+        return None
+    answer = response[start:end]
+    box = answer.rfind(BEGIN_OF_BOX)
+    if box != -1:
+        box_end = answer.find(END_OF_BOX, box)
+        if box_end == -1:
+            return None
+        answer = answer[box + len(BEGIN_OF_BOX) : box_end]
+    if "\\boxed{" in answer:
+        return last_boxed(answer)
+    return answer.strip() or None
+
+
+def compute_score_think_answer(response: str, ground_truth: str) -> dict[str, float]:
+    """The GLM-4.1V geo3k recipe (configs/glm4v_9b_geo3k.yaml): compute_score's weights and grading, for the
+    <think>...</think><answer>...</answer> format and the answer inside it (think_answer)."""
+    answer = think_answer(response)
+    accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
+    format_score = float(has_think_answer_format(response))
     return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
 
 

@@ -2,10 +2,10 @@
 of each supported family's transformers model, per FSDP2 unit, with those of LoRA's adapters.
 
 The numbers come from a local directory's config.json, the embedded numbers of the known sizes (a hub id: Qwen2.5-VL
-3B to 72B, Qwen3-VL-8B and 32B, Qwen3.5-9B, the two mixtures of experts), or the hub's config.json, never from the
-weights; each supported family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, families.FAMILIES) has its own exact count, checked
-against transformers' models in tests/test_memory_plan.py. They are the memory plan's exact part (memory_plan.py):
-the sharded states follow from them.
+3B to 72B, Qwen3-VL-8B and 32B, Qwen3.5-9B, the two mixtures of experts, GLM-4.1V-9B), or the hub's config.json,
+never from the weights; each supported family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, families.FAMILIES) has its own exact
+count, checked against transformers' models in tests/test_memory_plan.py. They are the memory plan's exact part
+(memory_plan.py): the sharded states follow from them.
 """
 
 from __future__ import annotations
@@ -105,6 +105,12 @@ KNOWN_SHAPES = {
         linear_key_heads=16, linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, conv_kernel=4,
         experts=256, experts_per_token=8, expert_intermediate=512, shared_expert_intermediate=512, **_QWEN3_TOWER,
     ),
+    # GLM-4.1V-9B-Thinking and its base model share one config.json shape (10.29 B), which is also transformers'
+    # Glm4vConfig default: checked against transformers' model built on the meta device
+    **dict.fromkeys(("zai-org/GLM-4.1V-9B-Thinking", "zai-org/GLM-4.1V-9B-Base"), ModelShape(
+        4096, 13696, 40, 32, 2, 151552, tied=False, family="glm4v", vision_depth=24, vision_hidden=1536,
+        vision_intermediate=13696, vision_positions=(336 // 14) ** 2,
+    )),
 }  # fmt: skip
 
 

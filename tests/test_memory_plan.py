@@ -87,7 +87,14 @@ def test_experts_are_all_stored_and_top_k_active(tiny_family_dir, family):
 
 def transformers_config(s):
     """The transformers config of a ModelShape: what a checkpoint of that shape would carry in its config.json."""
-    from transformers import Qwen2_5_VLConfig, Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLConfig, Qwen3VLMoeConfig
+    from transformers import (
+        Glm4vConfig,
+        Qwen2_5_VLConfig,
+        Qwen3_5Config,
+        Qwen3_5MoeConfig,
+        Qwen3VLConfig,
+        Qwen3VLMoeConfig,
+    )
 
     text = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
                 num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab)  # fmt: skip
@@ -101,6 +108,9 @@ def transformers_config(s):
                   out_hidden_size=s.hidden, patch_size=s.patch, spatial_merge_size=s.merge)  # fmt: skip
     if s.family == "qwen2_5_vl":
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
+    if s.family == "glm4v":  # its tower's learned positions: one per patch of an image_size image
+        vision["image_size"] = math.isqrt(s.vision_positions) * s.patch
+        return Glm4vConfig(text_config=text, vision_config=vision, tie_word_embeddings=s.tied)
     text["head_dim"] = s.head_dim
     vision["num_position_embeddings"] = s.vision_positions
     if s.base_family == "qwen3_vl":
@@ -118,8 +128,9 @@ def transformers_config(s):
 @pytest.mark.parametrize("name", list(KNOWN_SHAPES))
 def test_count_equals_transformers_for_the_known_sizes(name):
     """Guards against the counter being right for the tiny model only (tied embeddings in 3B, GQA widths, Qwen3-VL's
-    deepstack mergers and q/k norms, Qwen3.5's gated q_proj and linear-attention layers): the known sizes built by
-    transformers on the meta device (no memory) have exactly the counted parameters, in total and per FSDP2 unit."""
+    deepstack mergers and q/k norms, Qwen3.5's gated q_proj and linear-attention layers, GLM-4.1V's own tower and
+    fused MLP): the known sizes built by transformers on the meta device (no memory) have exactly the counted
+    parameters, in total and per FSDP2 unit."""
     from transformers import AutoModelForImageTextToText
 
     s = KNOWN_SHAPES[name]
@@ -183,6 +194,8 @@ def test_glm4v_count_and_lora_count_equal_transformers(tiny_family_dir, tiny):
 
     config = Glm4vConfig.from_pretrained(tiny_family_dir("glm4v")) if tiny else Glm4vConfig()
     s = shape_from_config(config.to_dict())
+    if not tiny:  # the hub ids' embedded numbers, which the recipe's dry run plans with, are that shape
+        assert KNOWN_SHAPES["zai-org/GLM-4.1V-9B-Thinking"] == KNOWN_SHAPES["zai-org/GLM-4.1V-9B-Base"] == s
     targets = [*DEFAULT_TARGETS, "visual.qkv", "visual.up_proj", "visual.proj", "lm_head"]
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
@@ -342,12 +355,13 @@ def test_geo3k_plans_term_by_term(config, hand):
 @pytest.mark.parametrize(
     "config, model, params",
     [("configs/qwen3_vl_8b_geo3k.yaml", "Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696),
-     ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744)],
+     ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744),
+     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472)],
 )  # fmt: skip
 def test_new_family_recipes_fit_one_node(config, model, params):
-    """Guards against shipping a Qwen3-VL or Qwen3.5 recipe that cannot run on 8 x 80 GB: the plan, from the known
-    shape of its hub id (the same numbers transformers builds, above), fits, and its sharded states are those of
-    that many parameters (fp32 weights and gradients, AdamW's two moments, a bf16 reference)."""
+    """Guards against shipping a Qwen3-VL, Qwen3.5 or GLM-4.1V recipe that cannot run on 8 x 80 GB: the plan, from
+    the known shape of its hub id (the same numbers transformers builds, above), fits, and its sharded states are
+    those of that many parameters (fp32 weights and gradients, AdamW's two moments, a bf16 reference)."""
     plan = plan_memory(load_config(config, NODE), 8)
     assert plan.model == model and plan.numbers["params"]["total"] == params
     update = plan.numbers["phases"]["update"]

@@ -18,7 +18,17 @@ from grpo.grading import (  # noqa: E402
     load_reward_fn,
     peer_contract,
 )
-from reward import FORMAT_REGEX, compute_score, digit_fraction, has_format, is_equivalent, last_boxed  # noqa: E402
+from reward import (  # noqa: E402
+    FORMAT_REGEX,
+    compute_score,
+    compute_score_think_answer,
+    digit_fraction,
+    has_format,
+    has_think_answer_format,
+    is_equivalent,
+    last_boxed,
+    think_answer,
+)
 
 # -----------------------------------------------------------------------------
 # format
@@ -163,6 +173,55 @@ def test_compute_score(response, expected):
     """Guards against wrong weighting of accuracy and format in the overall reward."""
     score = compute_score(response, "\\frac { 40 } { 3 }")
     assert (score["overall"], score["format"], score["accuracy"]) == pytest.approx(expected)
+
+
+BOX = ("<|begin_of_box|>", "<|end_of_box|>")
+
+
+@pytest.mark.parametrize(
+    "response, answer, formatted, expected",
+    [
+        # GLM-4.1V-Thinking's own form: the value in its box tokens inside the answer block
+        (f"<think>r</think><answer>{BOX[0]}\\frac{{40}}{{3}}{BOX[1]}</answer>", "\\frac{40}{3}", True, (1.0, 1.0, 1.0)),
+        (f" <think>r\n</think>\n<answer>So x = {BOX[0]}40/3{BOX[1]}.</answer>\n", "40/3", True, (1.0, 1.0, 1.0)),
+        ("<think>r</think><answer>\\boxed{\\frac{40}{3}}</answer>", "\\frac{40}{3}", True, (1.0, 1.0, 1.0)),
+        ("<think>r</think><answer> 40/3 </answer>", "40/3", True, (1.0, 1.0, 1.0)),  # plain
+        (f"<think>r</think><answer>{BOX[0]}\\frac{{3}}{{40}}{BOX[1]}</answer>", "\\frac{3}{40}", True, (0.1, 1.0, 0.0)),
+        ("<think>r</think><answer>13.33</answer>", "13.33", True, (0.1, 1.0, 0.0)),  # wrong: rounded
+        # the last box counts, the answer block's, never the thinking's
+        (f"<think>{BOX[0]}7{BOX[1]}</think><answer>{BOX[0]}7{BOX[1]} or {BOX[0]}40/3{BOX[1]}</answer>", "40/3",
+         True, (1.0, 1.0, 1.0)),
+        ("<think>so \\boxed{\\frac{40}{3}}</think>", None, False, (0.0, 0.0, 0.0)),  # the think block only
+        ("<think>r</think>", None, False, (0.0, 0.0, 0.0)),
+        ("<think><answer>40/3</answer>", None, False, (0.0, 0.0, 0.0)),  # </think> missing: still thinking
+        # missing or malformed tags: no format credit; an answer block after the thinking still grades
+        ("<answer>40/3</answer>", "40/3", False, (0.9, 0.0, 1.0)),  # no think block
+        ("<think>r</think> 40/3", None, False, (0.0, 0.0, 0.0)),  # no answer block
+        ("<think>r</think><answer>40/3", None, False, (0.0, 0.0, 0.0)),  # cut off before </answer>
+        (f"<think>r</think><answer>{BOX[0]}40/3</answer>", None, True, (0.1, 1.0, 0.0)),  # box never closed
+        ("<think>r</think>so<answer>40/3</answer>", "40/3", False, (0.9, 0.0, 1.0)),  # text between the blocks
+        ("<think>r</think><answer>7</answer><answer>40/3</answer>", "40/3", False, (0.9, 0.0, 1.0)),  # two blocks
+        ("<think>r</think><answer>40/3</answer> done", "40/3", False, (0.9, 0.0, 1.0)),  # text after the answer
+        ("x<think>r</think><answer>40/3</answer>", "40/3", False, (0.9, 0.0, 1.0)),  # text before <think>
+        ("<think>r</think><answer> </answer>", None, True, (0.1, 1.0, 0.0)),  # an empty answer
+    ],
+)  # fmt: skip
+def test_think_answer_score(response, answer, formatted, expected):
+    """Guards against the GLM-4.1V recipe's reward grading the wrong part of an answer (a box in the thinking, the
+    first of two, the text around the box tokens), crediting a malformed or cut-off answer, or weighting its parts
+    otherwise than compute_score does."""
+    assert think_answer(response) == answer
+    assert has_think_answer_format(response) is formatted
+    score = compute_score_think_answer(response, "\\frac { 40 } { 3 }")
+    assert (score["overall"], score["format"], score["accuracy"]) == pytest.approx(expected)
+
+
+def test_think_answer_is_fast_on_degenerate_output():
+    """Guards against the format check or the extraction backtracking on the degenerate outputs RL policies write."""
+    for junk in ("<think></think><answer>" * 20000, "<answer></think><|begin_of_box|>" * 20000):
+        start = time.perf_counter()
+        compute_score_think_answer(junk, "3")
+        assert time.perf_counter() - start < 0.5
 
 
 def test_digit_fraction():
