@@ -29,7 +29,7 @@ test: venv
 # it goes in without dependencies, then the dependencies it declares (its metadata, less the torch pins) with the
 # regular torch 2.11.0 builds of requirements-vllm026.txt (`--isolated`: the local pip config would offer torch 2.13).
 # Then vLLM's engine checks (sampling with log-probs, weight sync, LoRA's partial sync, images, videos, TP 2, two
-# 20-step training runs; Qwen3-VL's sync and log-probs; where engine and trainer part, module by module) and a
+# 20-step training runs; Qwen3-VL's and GLM-4.1V's sync and log-probs; where engine and trainer part) and a
 # 2-rank video demo of 4 steps. Qwen3.5 is left out: transformers 5.17 cannot build its vision tower (its rotary
 # reads vision_config.num_attention_heads).
 PY026 := .venv026/bin/python
@@ -44,6 +44,7 @@ PY026 := .venv026/bin/python
 test-vllm026: .venv026/.installed
 	OMP_NUM_THREADS=1 $(PY026) -m pytest -q tests/test_vllm.py tests/test_vllm_compat.py \
 		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[qwen3_vl]" \
+		"tests/test_families.py::test_vllm_logprobs_equal_the_trainers_after_sync[glm4v]" \
 		tests/test_replay.py::test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest \
 		"tests/test_mismatch.py::test_locate_names_the_module_the_engine_got_wrong[qwen2_5_vl]" \
 		"tests/test_mismatch.py::test_locate_names_the_module_the_engine_got_wrong[qwen3_vl]"
