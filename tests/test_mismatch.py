@@ -507,16 +507,20 @@ LOCATED = {
     "vision": {"image": "model.visual.blocks.0", "video": "model.visual.blocks.0", "text": "none"},
     "norm": dict.fromkeys(("image", "video", "text"), "model.language_model.norm"),
 }
+# a mixture of experts' router, which runs inside its layer and so before the layer's output is compared
+ROUTER_LOCATED = dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1.mlp.gate")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
 def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
     """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
     with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
     MLP x 30, the final norm's gain x 3: corruptions that train on under the guard, a mismatch KL of 0.004-0.006 at
     the first two) the report names that module, as the trainer names it, on every prompt that runs it; a clean
     engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6; Qwen3.5's
-    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more."""
+    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more. On the mixture of
+    experts (its layer case: every expert's MLP output), decoder layer 1's router with its experts' rows rolled in the
+    engine only (every token's top-k set changes) is named as that router, before its layer."""
     from grpo.locate import NOISE
     from tests.launch import torchrun
 
@@ -524,7 +528,9 @@ def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, t
     torchrun(1, "tests/locate_check.py", tiny_family_dir(family), str(out))
     result = json.loads(out.read_text())
     bound = NOISE[torch.bfloat16 if family == "qwen3_5" else torch.float32]
-    for case, expected in LOCATED.items():
+    located = {**LOCATED, "router": ROUTER_LOCATED} if family.endswith("_moe") else LOCATED
+    assert sorted(result) == sorted(located)
+    for case, expected in located.items():
         assert case == "clean" or result[case]["scaled"], case  # the corruption reached a tensor of the family's
         for kind, module in expected.items():
             report = result[case][kind]
