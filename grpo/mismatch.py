@@ -280,7 +280,10 @@ def measure_and_correct(trainer_logp, mask, prompts, samples, mb, alg, stats):
     if alg.mismatch_guard > 0 and alg.mismatch_action == "stop":  # each answer's figure, for the watch's report
         kl = _gap(trainer_logp, engine_logp, judged)[1]  # (B, T)
         rows = torch.stack([kl.sum(-1), judged.sum(-1).double()], 1).tolist()  # (B, 2), one transfer
-        stats.setdefault("mismatch/answers", {}).update({i: (k, *r) for i, k, r in zip(mb, kinds, rows)})
+        answers = stats.setdefault("mismatch/answers", {})
+        for i, kind, (kl_sum, tokens) in zip(mb, kinds, rows):  # added up: a filler micro-batch re-runs an answer
+            _, kl_before, tokens_before = answers.get(i, (kind, 0.0, 0.0))  # (masked out: micro_batches' live=False)
+            answers[i] = (kind, kl_before + kl_sum, tokens_before + tokens)
     stats["mismatch/seqs"] += (mask.sum(-1) > 0).sum().item()
     stats["mismatch/mask_tokens"] += mask.sum().item()
     log_ratio = trainer_logp - engine_logp  # (B, T)

@@ -343,8 +343,9 @@ def test_watch_names_where_engine_and_trainer_part_on_the_worst_prompt_of_its_st
 
     for action, fails in (("skip", False), ("stop", True)):
         alg, stats = cfg(f"algorithm.mismatch_action={action}"), dict.fromkeys(STATS, 0.0)
-        for mb in ([0, 2], [1, 3]):
-            measure_and_correct(trainer[mb], torch.ones(2, 2), prompts, samples, mb, alg, stats)
+        # (the last: a filler micro-batch, answer 0 again with its mask zeroed, as micro_batches' live=False)
+        for mb, live in (([0, 2], 1.0), ([1, 3], 1.0), ([0], 0.0)):
+            measure_and_correct(trainer[mb], torch.full((len(mb), 2), live), prompts, samples, mb, alg, stats)
         if not fails:
             assert not watch(stats, alg, 4, locate, samples, prompts) and asked == []
             continue
