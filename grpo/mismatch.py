@@ -8,10 +8,12 @@ hours on a falling reward without an error. So this module
    log p_engine| and the mismatch KL, the k3 estimate of KL(engine || trainer) from the engine's samples
    (http://joschu.net/blog/kl-approx.html), token-mean;
  - stops the run at its first step (and the first after a resume) when the mismatch KL of a prompt's answers is
-   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality;
- - watches every later optimizer step the same way, on each modality's mean, and stops the run there or skips the
-   optimizer step (algorithm.mismatch_action): an engine whose state goes bad mid-run (stale caches after a sync, a
-   linear-attention state restored as garbage after a wake) otherwise trains the run on garbage for hours;
+   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality and the module where engine and
+   trainer part on the worst prompt (grpo/locate.py);
+ - watches every later optimizer step the same way, on each modality's mean, and stops the run there, naming that
+   module too, or skips the optimizer step (algorithm.mismatch_action): an engine whose state goes bad mid-run (stale
+   caches after a sync, a linear-attention state restored as garbage after a wake) otherwise trains the run on
+   garbage for hours;
  - corrects what remains as verl 0.9 does (verl/trainer/ppo/rollout_corr_helper.py), on log_ratio = old_logp -
    rollout_logp: importance weights per token or per sequence, truncated at a bound (TIS,
    https://fengyao.notion.site/off-policy-rl) or zeroed outside a range (IcePop), and rejection of the tokens or
