@@ -506,10 +506,11 @@ def make_micro_batch(prompts, samples, mb, ids, packed, shared=False):
 
 
 def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids, stats,
-                  step, teacher_logps=None):  # fmt: skip
+                  step, teacher_logps=None, locate=None):  # fmt: skip
     """One pass of PPO updates over the rollout batch: mini-batches of `global_batch_size` prompts, each an
     optimizer step accumulated over micro-batches. `old_logps`/`ref_logps`/`teacher_logps` are per-sample lists (None
-    if unused). `advantages` (N,) is the reward's, one a sequence; a teacher's log-probs add a term per token."""
+    if unused). `advantages` (N,) is the reward's, one a sequence; a teacher's log-probs add a term per token.
+    `locate`: the report the mismatch watch runs before it stops a run (locate.in_run), or None."""
     a, world = cfg.actor, dist.get_world_size()
     seqs_per_step = a.global_batch_size // world * cfg.rollout.n
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -584,7 +585,8 @@ def update_policy(model, optimizer, scheduler, samples, prompts, advantages, old
         grad_norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         # skipped for the engine's mismatch (mismatch.watch) or a non-finite norm, both global: every rank together
-        stepped = mismatch.watch(stats, cfg.algorithm, step) and torch.isfinite(grad_norm)  # (watch first: collective)
+        # (the watch first: it is collective)
+        stepped = mismatch.watch(stats, cfg.algorithm, step, locate, samples, prompts) and torch.isfinite(grad_norm)
         if stepped:
             optimizer.step()
             scheduler.step()
@@ -875,7 +877,7 @@ def main(argv=None):
         stats = StepStats()
         for _ in range(a.ppo_epochs):
             update_policy(model, optimizer, scheduler, samples, prompts, advantages, old_logps, ref_logps, cfg, ids,
-                          stats, step, teacher_logps)  # fmt: skip
+                          stats, step, teacher_logps, locate.in_run(engine, model, pad_id))  # fmt: skip
         timings["time/train"] = time.perf_counter() - t0
         # (the weights reach the engine at its next wake: sync_weights before the next rollout or validation)
 

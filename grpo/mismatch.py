@@ -8,10 +8,12 @@ hours on a falling reward without an error. So this module
    log p_engine| and the mismatch KL, the k3 estimate of KL(engine || trainer) from the engine's samples
    (http://joschu.net/blog/kl-approx.html), token-mean;
  - stops the run at its first step (and the first after a resume) when the mismatch KL of a prompt's answers is
-   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality;
- - watches every later optimizer step the same way, on each modality's mean, and stops the run there or skips the
-   optimizer step (algorithm.mismatch_action): an engine whose state goes bad mid-run (stale caches after a sync, a
-   linear-attention state restored as garbage after a wake) otherwise trains the run on garbage for hours;
+   beyond what arithmetic explains (algorithm.mismatch_guard), naming the modality and the module where engine and
+   trainer part on the worst prompt (grpo/locate.py);
+ - watches every later optimizer step the same way, on each modality's mean, and stops the run there, naming that
+   module too, or skips the optimizer step (algorithm.mismatch_action): an engine whose state goes bad mid-run (stale
+   caches after a sync, a linear-attention state restored as garbage after a wake) otherwise trains the run on
+   garbage for hours;
  - corrects what remains as verl 0.9 does (verl/trainer/ppo/rollout_corr_helper.py), on log_ratio = old_logp -
    rollout_logp: importance weights per token or per sequence, truncated at a bound (TIS,
    https://fengyao.notion.site/off-policy-rl) or zeroed outside a range (IcePop), and rejection of the tokens or
@@ -275,7 +277,15 @@ def measure_and_correct(trainer_logp, mask, prompts, samples, mb, alg, stats):
     samples = [samples[i] for i in mb]
     engine_logp = stack_padded([torch.tensor(s.logprobs) for s in samples], mask.shape[1], mask.device)  # (B, T)
     kinds = [modality(prompts[s.prompt_index]) for s in samples]
-    measure(trainer_logp, engine_logp, fresh(mask, [s.carried for s in samples]), kinds, stats)
+    judged = fresh(mask, [s.carried for s in samples])  # (B, T)
+    measure(trainer_logp, engine_logp, judged, kinds, stats)
+    if alg.mismatch_guard > 0 and alg.mismatch_action == "stop":  # each answer's figure, for the watch's report
+        kl = _gap(trainer_logp, engine_logp, judged)[1]  # (B, T)
+        rows = torch.stack([kl.sum(-1), judged.sum(-1).double()], 1).tolist()  # (B, 2), one transfer
+        answers = stats.setdefault("mismatch/answers", {})
+        for i, kind, (kl_sum, tokens) in zip(mb, kinds, rows):  # added up: a filler micro-batch re-runs an answer
+            _, kl_before, tokens_before = answers.get(i, (kind, 0.0, 0.0))  # (masked out: micro_batches' live=False)
+            answers[i] = (kind, kl_before + kl_sum, tokens_before + tokens)
     stats["mismatch/seqs"] += (mask.sum(-1) > 0).sum().item()
     stats["mismatch/mask_tokens"] += mask.sum().item()
     log_ratio = trainer_logp - engine_logp  # (B, T)
@@ -373,13 +383,7 @@ def check_start(old_logps, samples, prompts, bound, step, locate=None) -> None:
         mask_tool_turns(mask, s.turns)  # a tool turn's tokens are context: the engine gives them no log-prob
         mask[: s.carried] = 0  # sampled under older weights (partial.py): this step's policy cannot judge them
         measure(logp[None], engine[None], mask[None], [kind], stats)
-        group = groups.setdefault(s.prompt_index, [kind, 0.0, 0, -math.inf, None])  # .., its worst answer's k3, index
-        kl = _gap(logp, engine, mask)[1].sum().item()
-        group[1] += kl
-        group[2] += int(mask.sum().item())
-        mean = kl / max(mask.sum().item(), 1)
-        if not s.turns and not mean <= group[3]:  # (an answer with tool turns: its images are not the prompt's)
-            group[3:] = [mean if not math.isnan(mean) else math.inf, i]
+        _add_answer(groups, s.prompt_index, i, kind, _gap(logp, engine, mask)[1].sum().item(), mask.sum().item(), s)
     worst = torch.zeros(len(MODALITIES), dtype=torch.float64)  # (M,), the worst prompt's mismatch KL
     for kind, kl_sum, tokens, *_ in groups.values():
         i = MODALITIES.index(kind)
@@ -403,6 +407,18 @@ def check_start(old_logps, samples, prompts, bound, step, locate=None) -> None:
                 f"differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 ~1e-12).{where} {CAUSES} Raise "
                 f"algorithm.mismatch_guard, or 0 turns this check off."
             )
+
+
+def _add_answer(groups, key, index, kind, kl_sum, tokens, sample) -> None:
+    """Count answer `index` (its k3 summed over its `tokens`) in its prompt's group `key`: [modality, k3 sum, tokens,
+    its worst answer's mean k3, that answer's index], the worst among the answers without tool turns (their images
+    are not the prompt's)."""
+    group = groups.setdefault(key, [kind, 0.0, 0, -math.inf, None])
+    group[1] += kl_sum
+    group[2] += int(tokens)
+    mean = kl_sum / max(tokens, 1)
+    if not sample.turns and not mean <= group[3]:
+        group[3:] = [mean if not math.isnan(mean) else math.inf, index]
 
 
 def locate_worst(kind, groups, samples, prompts, locate) -> str:
@@ -436,15 +452,18 @@ LATER_CAUSES = (
 )
 
 
-def watch(stats, alg, step) -> bool:
+def watch(stats, alg, step, locate=None, samples=None, prompts=None) -> bool:
     """The guard of every step, at each optimizer step between its backward and the step: True when the optimizer
     may step. It judges each modality's mean mismatch KL over the model's own fresh tokens of the samples this
     optimizer step trains on (those measure_and_correct measured since the last call), all ranks together; past
     algorithm.mismatch_guard it stops every rank (algorithm.mismatch_action=stop) or warns and returns False (skip:
-    the caller must not step, and its zero_grad drops the gradients). Under rollout_bypass the trainer's side of the
-    gap is the current policy, which is the one that sampled only until an optimizer step of this step changes it:
-    after that the gap holds the policy's own drift, and the watch stays quiet. Collective (one all_reduce) whenever
-    the guard is on: every rank decides the same, on the same figures."""
+    the caller must not step, and its zero_grad drops the gradients). `locate` (locate.in_run, or None): before it
+    stops, where the engine and the trainer part on the worst answer of the worst prompt of that modality among
+    this optimizer step's `samples` (whose prompts are `prompts`), as check_start does. Under rollout_bypass the
+    trainer's side of the gap is the current policy, which is the one that sampled only until an optimizer step of
+    this step changes it: after that the gap holds the policy's own drift, and the watch stays quiet. Collective (one
+    all_reduce) whenever the guard is on: every rank decides the same, on the same figures."""
+    answers = stats.pop("mismatch/answers", {})  # sample index -> (modality, k3 sum, tokens): measure_and_correct's
     keys = [(f"mismatch/{m}/{k}", f"mismatch/{m}/judged_{k}") for m in MODALITIES for k in ("tokens", "kl_sum")]
     new = torch.tensor([stats[k] - stats[judged] for k, judged in keys], dtype=torch.float64)  # (M * 2,)
     for k, judged in keys:
@@ -467,9 +486,18 @@ def watch(stats, alg, step) -> bool:
         print0(f"warning: {figure}: optimizer step skipped (algorithm.mismatch_action=skip)")
         stats["mismatch/skipped_steps"] += 1
         return False
+    where = ""
+    if locate is not None:  # (collective: every rank is here, on the same figures)
+        groups, first = {}, {}
+        for i, (kind, kl_sum, tokens) in sorted(answers.items()):
+            s = samples[i]  # (each answer may hold its own entry of its prompt: grouped by the prompt itself)
+            key = first.setdefault(id(prompts[s.prompt_index]), s.prompt_index)
+            _add_answer(groups, key, i, kind, kl_sum, tokens, s)
+        found = locate_worst(m, groups, samples, prompts, locate)
+        where = f" Where the engine and the trainer part on its worst prompt: {found}."
     raise Stop(
         f"error: engine/trainer mismatch: {figure}, which differing arithmetic stays below (bf16 on GPU ~1e-3, fp32 "
-        f"~1e-12). {LATER_CAUSES} Raise algorithm.mismatch_guard (0 turns the checks off), or "
+        f"~1e-12).{where} {LATER_CAUSES} Raise algorithm.mismatch_guard (0 turns the checks off), or "
         f"algorithm.mismatch_action=skip skips such optimizer steps and trains on."
     )
 

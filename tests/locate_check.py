@@ -4,8 +4,11 @@ tests/test_mismatch.py.
 One process: the engine and the trainer's model (FSDP2, world size 1) as a run builds them, then for each case a weight
 sync whose tensors of that module are scaled on their way to the engine (the trainer keeps its own), and the report
 on an image, a video and a text prompt (locate.report_prompts' synthetic ones). Cases: clean; `layer`: decoder layer
-1's MLP output weight x 3; `vision`: the first vision block's MLP x 30 (its output linear's weight and bias); `norm`:
-the final norm's gain x 3. Each case's sync sends every weight, so the next case starts from the trainer's.
+1's MLP output weight x 3 (a mixture of experts': every expert's); `vision`: the first vision block's MLP x 30 (its
+output linear's weight and bias); `norm`: the final norm's gain x 3; and for a mixture of experts, `router`: decoder
+layer 1's router with its experts' rows rolled by one, so that every token's top-k set of experts changes (no set of
+2 of 4 experts maps onto itself when each expert e becomes e + 1 mod 4). Each case's sync sends every weight, so the
+next case starts from the trainer's.
 
     torchrun --nproc_per_node=1 tests/locate_check.py MODEL_DIR OUT_JSON
 """
@@ -41,6 +44,7 @@ def scaled_sync(engine, model, scales):
         del engine.llm.collective_rpc
 
 
+LAYER_1_MLP_OUT = re.compile(r"model\.language_model\.layers\.1\.mlp\.(experts\.\d+\.)?down_proj\.weight")
 VISION_MLP_OUT = re.compile(r"model\.visual\.blocks\.0\.mlp\.(down_proj|linear_fc2)\.(weight|bias)")
 
 
@@ -48,12 +52,18 @@ def cases(model) -> dict:
     names = [name for name, _ in model.named_parameters()]
     # Qwen3.5's norms multiply by 1 + weight (its tiny model's weights are 0): scale that gain, not the weight
     one_plus = model.config.model_type.startswith("qwen3_5")
-    return {
+    experts = getattr(model.config.get_text_config(), "num_experts", 0)
+    # (a mixture's experts reach the engine one expert at a time, under their checkpoint names: moe.stream_experts)
+    down = [f"model.language_model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(experts)]
+    out = {
         "clean": {},
-        "layer": {n: lambda t: t * 3 for n in names if n == "model.language_model.layers.1.mlp.down_proj.weight"},
+        "layer": {n: lambda t: t * 3 for n in [*names, *down] if LAYER_1_MLP_OUT.fullmatch(n)},
         "vision": {n: lambda t: t * 30 for n in names if VISION_MLP_OUT.fullmatch(n)},
         "norm": {"model.language_model.norm.weight": (lambda t: (1 + t) * 3 - 1) if one_plus else (lambda t: t * 3)},
     }
+    if experts:
+        out["router"] = {"model.language_model.layers.1.mlp.gate.weight": lambda t: t.roll(1, 0)}  # (experts, H)
+    return out
 
 
 def main():

@@ -148,3 +148,71 @@ def test_the_trainers_softmax_leaves_out_the_tokens_the_engines_never_sample(tin
     torch.testing.assert_close(logp.detach() * mask, allowed * mask, rtol=1e-5, atol=1e-5)
     gap = (allowed - whole)[mask.bool()]  # log(1 / (1 - p(forbidden))) > 0 at every token
     assert (gap > 1e-4).all(), gap
+
+
+def _short_answer_run(model_dir, processor, seed, trainer_forbids, steps=40):
+    """GRPO for `steps` steps on a reward for short answers: token-mean loss, one Adam step (lr 1e-3) a batch of two
+    prompts x 8 answers of at most 16 tokens, sampled by the HF engine, which forbids the vision tokens whatever the
+    trainer does. An answer ends at any of 20 ordinary tokens (about 5 % of a random model's mass at each position: its
+    lengths vary from the first step, where its end-of-answer token would almost never come). With
+    trainer_forbids=False the trainer's forward runs over the whole vocabulary. Returns the vision tokens' mean mass,
+    over the whole vocabulary at the answer positions, of the first batch before training and of the last after."""
+    import train_grpo
+    from grpo.samples import SamplingParams
+    from tests.hf_engine_check import hf_engine
+
+    torch.manual_seed(seed)
+    model = loading.load_model(model_dir, torch.device("cpu"), "sdpa")
+    forbidden, n = model.forbidden_token_ids, 8
+    engine = hf_engine(processor, 16)
+    engine.sync_weights(model)
+    if not trainer_forbids:
+        model.forbidden_token_ids = forbidden[:0]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tokenizer, params = processor.tokenizer, SamplingParams(max_tokens=16, stop_token_ids=tuple(range(20)))
+    chats = [[{"role": "user", "content": [{"type": "text", "text": "Say it. " * i}]}] for i in (1, 2)]
+    texts = [processor.apply_chat_template(chat, add_generation_prompt=True) for chat in chats]
+    prompts = [rollout.Prompt(tokenizer(t, return_tensors="pt")["input_ids"][0], None, None, []) for t in texts]
+
+    def vision_mass(batch, response_ids, mask):
+        with torch.no_grad():
+            logits = model(**batch, use_cache=False, logits_to_keep=response_ids.shape[1] + 1).logits[:, :-1]
+        mass = logits.float().softmax(-1)[..., forbidden].sum(-1)  # (B, T)
+        return float((mass * mask).sum() / mask.sum())
+
+    for step in range(steps):
+        samples = engine.generate(prompts, n, params, seed=1000 * seed + step)
+        answers = [s.response_ids for s in samples]
+        batch, response_ids, mask = batching.collate(
+            [prompts[s.prompt_index] for s in samples], answers, tokenizer.pad_token_id, model.config.image_token_id
+        )
+        if step == 0:
+            before = vision_mass(batch, response_ids, mask)
+        scores = -torch.tensor([len(a) for a in answers], dtype=torch.float32)  # (B,): the shorter the better
+        advantages = train_grpo.compute_advantages(scores, n).unsqueeze(1)  # (B, 1)
+        logp, _ = logprobs.forward_logprobs(model, batch, response_ids, 1.0)
+        loss, _ = train_grpo.micro_batch_loss(logp, logp.detach(), advantages, mask, torch.zeros_like(logp),
+                                              num_tokens=mask.sum(), num_seqs=len(answers), horizon=16)  # fmt: skip
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return before, vision_mass(batch, response_ids, mask)
+
+
+def test_the_vision_tokens_mass_stays_put_under_a_short_answer_reward(tiny_model_dir, tiny_processor):
+    """Guards against the drift a softmax over the whole vocabulary lets happen: with a reward for short answers and a
+    token-mean loss the long answers' tokens outweigh the short ones', the advantages summed over the tokens are below
+    0, and a whole-vocabulary softmax hands what every sampled token loses to the tokens nothing samples, the vision
+    tokens among them, which nothing then pushes back down. The same 40 steps (seed 1) with the trainer's softmax over
+    the whole vocabulary, the engine still forbidding the tokens, show the test can fail. Measured at seeds 1-3: the
+    vision tokens' mass starts at 0.0125; with the mask it ends at 0.0035-0.0044 (0.28-0.35x: the 20 ending tokens
+    take mass from every other), without it at 0.34-0.41 (27-33x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (16 x 128 rows: a second thread adds only its waits, ten-fold on a busy machine)
+    try:
+        before, forbidding = _short_answer_run(tiny_model_dir, tiny_processor, 1, trainer_forbids=True)
+        _, whole = _short_answer_run(tiny_model_dir, tiny_processor, 1, trainer_forbids=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0.1 * before < forbidding <= before, (before, forbidding)
+    assert whole > 10 * before, (before, whole)

@@ -317,6 +317,44 @@ def test_watch_stops_or_skips_a_later_step_past_the_guard_and_leaves_carried_tok
         _watched(cfg("algorithm.rollout_bypass=true"), trainer, far, [0, 0], [[0, 1]])
 
 
+def test_watch_names_where_engine_and_trainer_part_on_the_worst_prompt_of_its_step(one_rank_group, capsys):
+    """Guards against a watch that stops a run without saying where the engine and the trainer part, or asks on
+    another answer than the start guard would: among its optimizer step's samples, each with its own entry of its
+    prompt as update_policy passes them, the worst prompt of the modality is judged by all its answers together
+    (grouped by the prompt itself, not by the entry), and its worst answer goes to `locate`. `skip` runs no report."""
+    from types import SimpleNamespace
+
+    from grpo.mismatch import measure_and_correct, watch
+    from rollout import Sample
+
+    cfg = lambda *o: train_grpo.load_config(None, ["algorithm.mismatch_guard=0.01", *o]).algorithm  # noqa: E731
+    a, b = (
+        SimpleNamespace(image_grid_thw=torch.ones(1, 3), video_grid_thw=None, input_ids=torch.ones(9)) for _ in "ab"
+    )
+    prompts = [a, a, b, b]  # answers 0 and 1 of prompt a, 2 and 3 of b
+    samples = [Sample(j, [10 + j, 20], [-1.0, -1.0], "", False) for j in range(4)]
+    # the trainer above the engine by 1.0, 0.9 (a: k3 0.64 a token) and 1.2, 0 (b: 0.56): the worst answer is b's
+    trainer = _t([[0.0, 0.0], [-0.1, -0.1], [0.2, 0.2], [-1.0, -1.0]])
+    asked = []
+
+    def locate(prompt, answer):
+        asked.append((prompt, answer))
+        return [{"module": "model.visual.blocks.0", "max": 3.0, "mean": 2.0, "departs": True, "note": ""}]
+
+    for action, fails in (("skip", False), ("stop", True)):
+        alg, stats = cfg(f"algorithm.mismatch_action={action}"), dict.fromkeys(STATS, 0.0)
+        # (the last: a filler micro-batch, answer 0 again with its mask zeroed, as micro_batches' live=False)
+        for mb, live in (([0, 2], 1.0), ([1, 3], 1.0), ([0], 0.0)):
+            measure_and_correct(trainer[mb], torch.full((len(mb), 2), live), prompts, samples, mb, alg, stats)
+        if not fails:
+            assert not watch(stats, alg, 4, locate, samples, prompts) and asked == []
+            continue
+        with pytest.raises(SystemExit, match=r"on its worst prompt: first divergence: model\.visual\.blocks\.0\. "):
+            watch(stats, alg, 4, locate, samples, prompts)
+    assert len(asked) == 1 and asked[0][0] is a and asked[0][1] == [10, 20]  # a: 0.64 a token, its answer 0
+    assert "worst image prompt" in capsys.readouterr().out
+
+
 def test_start_guard_leaves_carried_tokens_out(one_rank_group):
     """Guards against the start guard (after a resume, with partial rollouts) stopping a sound run on the tokens an
     answer carried from before: only the step's own tokens measure the engine."""
@@ -372,8 +410,8 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     (here one prompt of rank 0 gets a blank image), the trainer scores it with the image, and the run trains on.
     The guard must stop it at step 1 naming the modality, the figure and the bound; the same run without the fault
     must pass the guard and log every modality's mismatch; when the engine's weights go bad after step 2's sync,
-    the per-step watch must stop every rank at step 2, before its checkpoint; and a resume of that run (from step 1)
-    with the lost image must be stopped at its first step, step 2."""
+    the per-step watch must stop every rank at step 2, before its checkpoint, naming the module where they part;
+    and a resume of that run (from step 1) with the lost image must be stopped at its first step, step 2."""
     rows, log = _demo_run(tmp_path / "fault", tiny_model_dir, "blank_image", "trainer.max_steps=1")
     assert rows is None, log[-3000:]
     assert "the image samples of step 1 have a mismatch KL of" in log, log[-3000:]
@@ -387,17 +425,23 @@ def test_guard_stops_a_run_whose_engine_lost_an_image(tiny_model_dir, tmp_path):
     assert len(said) == 1 and torchrun_failure and said[0] < torchrun_failure[0], log[-5000:]
     assert lines[said[0]].startswith("error: engine/trainer mismatch")
     assert not re.search(rf'File "{re.escape(REPO)}/(?!\.venv/)', log) and "failed in phase" not in log, log[-5000:]
-    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "weights@2", "trainer.save_freq=1", steps=2)
+    # (the runs below forked by the tests' rank server: torchrun's own lines were checked above)
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "weights@2", "trainer.save_freq=1", steps=2, real=False)
     assert rows is None, log[-3000:]
     # the run stops with the message (said once, by rank 0), naming the modality, its figure and the bound
     stops = re.findall(r"engine/trainer mismatch: the (text|image) samples of step 2 have a mean mismatch KL of "
                        r"([0-9.e+-]+) over the model's tokens.*?above algorithm.mismatch_guard=0.01", log)  # fmt: skip
     assert len(stops) == 1 and all(float(kl) > 0.01 for _, kl in stops), log[-3000:]
+    # and where the engine and the trainer part on that modality's worst prompt: every weight of the engine has noise,
+    # so the first module the report compares already does (the patch embedding before an image's first vision
+    # block, the token embedding before a text's first decoder layer, are not compared themselves)
+    first = {"image": "model.visual.blocks.0", "text": "model.language_model.layers.0"}[stops[0][0]]
+    assert f"on its worst prompt: first divergence: {first}." in log, log[-3000:]
     (row,) = [json.loads(line) for line in (tmp_path / "clean" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and row["rollout/mismatch_kl/image"] < 1e-6 and row["rollout/mismatch_kl/text"] < 1e-6
     assert "rollout/mismatch_kl/video" not in row
     assert not (tmp_path / "clean" / "run" / "checkpoints" / "step_2").exists()
-    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "blank_image", steps=2)
+    rows, log = _demo_run(tmp_path / "clean", tiny_model_dir, "blank_image", steps=2, real=False)
     assert rows is None and "the image samples of step 2 have a mismatch KL of" in log, log[-3000:]
 
 
@@ -465,16 +509,20 @@ LOCATED = {
     "vision": {"image": "model.visual.blocks.0", "video": "model.visual.blocks.0", "text": "none"},
     "norm": dict.fromkeys(("image", "video", "text"), "model.language_model.norm"),
 }
+# a mixture of experts' router, which runs inside its layer and so before the layer's output is compared
+ROUTER_LOCATED = dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1.mlp.gate")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
 def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
     """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
     with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
     MLP x 30, the final norm's gain x 3: corruptions that train on under the guard, a mismatch KL of 0.004-0.006 at
     the first two) the report names that module, as the trainer names it, on every prompt that runs it; a clean
     engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6; Qwen3.5's
-    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more."""
+    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more. On the mixture of
+    experts (its layer case: every expert's MLP output), decoder layer 1's router with its experts' rows rolled in the
+    engine only (every token's top-k set changes) is named as that router, before its layer."""
     from grpo.locate import NOISE
     from tests.launch import torchrun
 
@@ -482,7 +530,9 @@ def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, t
     torchrun(1, "tests/locate_check.py", tiny_family_dir(family), str(out))
     result = json.loads(out.read_text())
     bound = NOISE[torch.bfloat16 if family == "qwen3_5" else torch.float32]
-    for case, expected in LOCATED.items():
+    located = {**LOCATED, "router": ROUTER_LOCATED} if family.endswith("_moe") else LOCATED
+    assert sorted(result) == sorted(located)
+    for case, expected in located.items():
         assert case == "clean" or result[case]["scaled"], case  # the corruption reached a tensor of the family's
         for kind, module in expected.items():
             report = result[case][kind]
