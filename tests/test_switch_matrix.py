@@ -2,6 +2,7 @@
 each switch, and the pairs whose parts meet in one code path train two steps after their dry run passed."""
 
 import itertools
+import json
 
 import pytest
 
@@ -57,3 +58,10 @@ def test_tensor_parallelism_over_heads_vllm_cannot_split_is_refused_at_the_dry_r
     assert "1 linear-attention key heads" in result["detail"]
     assert all(tensor_parallel_problem(name, tp) is None for name in KNOWN_SHAPES for tp in (2, 4))
     assert tensor_parallel_problem("Qwen/Qwen2.5-VL-7B-Instruct", 8) == "28 query heads"
+    # KV heads are split whole, or replicated when the ranks are a multiple of them: 3 of them neither at 2 ranks
+    config = json.loads((matrix_dir / "assets" / "moe" / "config.json").read_text())
+    config["text_config"].update(num_attention_heads=6, num_key_value_heads=3, linear_num_key_heads=2)
+    (matrix_dir / "kv3").mkdir()
+    (matrix_dir / "kv3" / "config.json").write_text(json.dumps(config))
+    assert tensor_parallel_problem(str(matrix_dir / "kv3"), 2) == "3 KV heads"
+    assert tensor_parallel_problem(str(matrix_dir / "kv3"), 3) == "2 linear-attention key heads"
