@@ -108,9 +108,10 @@ def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
 
 def image_side(image_processor) -> int:
     """Side in pixels of one merged image token, patch x merge: 28 for Qwen2.5-VL (14 x 2), 32 for Qwen3-VL and
-    Qwen3.5 (16 x 2). Taken from the checkpoint's own processor, which resizes every side to a multiple of it and
-    cannot make a side shorter than it."""
-    return image_processor.patch_size * image_processor.merge_size
+    Qwen3.5 (16 x 2), 48 for Gemma 4 (16 px patches pooled 3 x 3 into a soft token). Taken from the checkpoint's own
+    processor, which resizes every side to a multiple of it and cannot make a side shorter than it."""
+    merge = getattr(image_processor, "merge_size", None) or image_processor.pooling_kernel_size
+    return image_processor.patch_size * merge
 
 
 def image_token_count(image_processor, width: int, height: int, min_pixels: int, max_pixels: int) -> int:

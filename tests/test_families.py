@@ -18,7 +18,7 @@ from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"]
-SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, glm4v"
+SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, glm4v, gemma4"
 
 
 def _grads(model):
@@ -459,3 +459,111 @@ def test_glm4v_with_lora_and_vllm_learns_toy_reward(tiny_family_dir, tmp_path):
     for key in (f"{layer}.mlp.gate_up_proj.weight", f"{layer}.self_attn.q_proj.weight", "lm_head.weight"):
         assert not torch.equal(final[key], initial[key]), key
     assert torch.equal(final[f"{layer}.input_layernorm.weight"], initial[f"{layer}.input_layernorm.weight"])
+
+
+def _gemma4_batch(processor):
+    """Two prompts, one with an image (its soft tokens and the text after them past the tiny model's 32-token sliding
+    window) and one text-only, and answers of uneven lengths, as samples.Prompt."""
+    from PIL import Image, ImageDraw
+
+    from grpo.samples import Prompt
+
+    prompts = []
+    for i, with_image in enumerate((True, False)):
+        content = [{"type": "text", "text": "Find x. " * (2 + 3 * i)}]
+        images = []
+        if with_image:
+            img = Image.new("RGB", (150, 90), "white")
+            ImageDraw.Draw(img).line((0, 0, 80, 60), fill="black", width=5)
+            content.insert(0, {"type": "image"})
+            images = [img]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        out = processor(text=[text], images=images or None, return_tensors="pt")
+        prompts.append(Prompt(out["input_ids"][0], out.get("pixel_values"), None, images,
+                              token_types=out["mm_token_type_ids"][0],
+                              image_position_ids=out.get("image_position_ids")))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(5, 400, (n,), generator=g).tolist() for n in (11, 4)]
+    return prompts, responses
+
+
+@pytest.mark.parametrize("cap", [None, 0.5])
+def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap):
+    """Guards against the trainer's log-prob head leaving out Gemma 4's final logit soft-capping, or capping the
+    log-probs it returns (the model's forward caps whatever its LM head gives), and against the padded batch
+    (left-padded prompts, per-layer input embeddings from the ids, the image's soft tokens, a sliding window) giving
+    other log-probs than transformers' own forward of each sequence alone: log_softmax of its logits / temperature.
+    At the checkpoint's cap (30) and at 0.5, where capping moves every logit. The reference runs transformers' own
+    sdpa: the trainer's sdpa_packed takes one unmasked row for a packed one and drops the sliding window (hence no
+    padding_free for the family)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_family_dir("gemma4")
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if cap is not None:
+        model.config.text_config.final_logit_softcapping = cap
+        reference.config.text_config.final_logit_softcapping = cap
+    cap = model.config.text_config.final_logit_softcapping
+    assert model.config.model_type == "gemma4" and cap is not None
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, as the real checkpoints'
+    forbidden = torch.tensor(processor.tokenizer.convert_tokens_to_ids(list(families.GEMMA_VISION_TOKENS)))
+    assert sorted(model.forbidden_token_ids.tolist()) == sorted(forbidden.tolist())
+    prompts, responses = _gemma4_batch(processor)
+    assert prompts[0].image_position_ids is not None and len(prompts[0].input_ids) > 32  # the window is exercised
+    inputs, response_ids, mask = batching.collate(prompts, responses, processor.tokenizer.pad_token_id,
+                                                  model.config.image_token_id)  # fmt: skip
+    temperature = 0.9
+    with torch.no_grad():
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, temperature, with_entropy=True)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids = torch.cat([p.input_ids, torch.tensor(r)])[None]  # (1, P + R)
+            vision = {"pixel_values": p.pixel_values, "image_position_ids": p.image_position_ids}
+            vision = {k: v for k, v in vision.items() if v is not None}
+            types = torch.cat([p.token_types, torch.zeros(len(r), dtype=torch.long)])[None]  # (1, P + R)
+            out = reference(input_ids=ids, mm_token_type_ids=types, **vision)
+            logits = out.logits[0, len(p.input_ids) - 1 : -1]  # (R, V), capped by the model
+            # the image, video and audio markers are out of the softmax, as both engines leave them out of sampling
+            ref = (logits.float() / temperature).index_fill(-1, forbidden, -torch.inf).log_softmax(-1)  # (R, V)
+            want = ref.gather(-1, torch.tensor(r)[:, None])[:, 0]  # (R,)
+            torch.testing.assert_close(logp[i, : len(r)], want, rtol=1e-5, atol=1e-5)
+            entropy = -(ref.exp() * ref.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # (R,)
+            torch.testing.assert_close(ent[i, : len(r)], entropy, rtol=1e-5, atol=1e-5)
+            assert (logits.abs() <= cap).all()
+    assert mask.sum() == sum(map(len, responses))
+
+
+def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
+    """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
+    yet: packed rows (the packed attention has no sliding window: measured 1.26 off on the tiny model), sequence
+    parallelism, tool turns, videos, and either rollout engine (the prompts and batches carry no image_position_ids).
+    Each stops the dry run in one line naming its key, before anything loads."""
+    import train_grpo
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    images = make_geo3k_like(str(tmp_path / "images.parquet"), n_rows=32, seed=0)
+    monkeypatch.setattr(train_grpo, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
+    path = tiny_family_dir("gemma4")
+
+    def dry_run(*overrides):
+        args = ["configs/tiny.yaml", f"actor.model_path={path}", f"data.train_files={images}",
+                f"data.val_files={images}", *overrides, "--dry-run"]  # fmt: skip
+        code = train_grpo.main(args)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    unpacked = ("actor.padding_free=false", "actor.shared_prefix=false", "actor.max_tokens_per_micro_batch=0",
+                "actor.max_tokens_per_micro_batch_no_grad=0")
+    asks = [
+        ((), "actor.padding_free=True: a gemma4 model cannot train with packed rows"),
+        (("actor.sequence_parallel_size=2",), "actor.sequence_parallel_size=2: a gemma4 model cannot"),
+        (("rollout.tools=[grpo/tools.py:crop]",), "rollout.tools=['grpo/tools.py:crop']: a gemma4 model cannot"),
+        (("rollout.max_videos_per_prompt=1",), "rollout.max_videos_per_prompt=1: a gemma4 model cannot"),
+        ((*unpacked, "rollout.engine=vllm"), "rollout.engine=vllm: a gemma4 model cannot run under it here yet"),
+        ((*unpacked, "rollout.engine=hf"), "rollout.engine=hf: a gemma4 model cannot run under it here yet"),
+    ]
+    for overrides, refusal in asks:
+        code, out = dry_run(*overrides)
+        assert code != 0 and refusal in out, (overrides, out)
+        assert "engine" not in refusal or "image_position_ids" in out, out
