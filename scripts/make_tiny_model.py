@@ -737,6 +737,9 @@ def build_gemma4_config(tokenizer) -> Gemma4Config:
         pooling_kernel_size=3,
         position_embedding_size=64,
         initializer_range=0.02,
+        # the soft tokens of an image at the processor's budget: vLLM's gemma4_mm sizes its encoder budget by it
+        # (transformers' config class has no such field; the real configs carry it, 280)
+        default_output_length=70,
     )
     return Gemma4Config(
         text_config=text_config,
@@ -749,6 +752,7 @@ def build_gemma4_config(tokenizer) -> Gemma4Config:
         audio_token_id=ids["<|audio|>"],
         boa_token_id=ids["<|audio>"],
         eoa_token_id=ids["<audio|>"],
+        vision_soft_tokens_per_image=70,  # (the real configs': 280)
         tie_word_embeddings=True,
         dtype="float32",
     )
