@@ -288,18 +288,35 @@ def load_weights(model, path, device):
                 if tuple(rows.get_shape()) != tuple(p.shape):
                     raise ValueError(f"{file}: {key} has shape {rows.get_shape()}, the model's {name} {tuple(p.shape)}")
                 local.copy_(rows[start : start + local.shape[0]])
+        # buffers the checkpoint holds (Gemma 4's per-layer output scale, layer_scalar): whole on every rank, as FSDP2
+        # leaves buffers unsharded
+        for name, b in _saved_buffers(model):
+            if base_name(name) in where:
+                b.copy_(read(base_name(name)))
     _recompute_buffers(model, device)
     return model
+
+
+def _saved_buffers(model):
+    """(name, buffer) of every buffer a checkpoint saves (the persistent ones)."""
+    for prefix, module in model.named_modules():
+        for b, value in module._buffers.items():
+            if value is not None and b not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{b}" if prefix else b, value
 
 
 def _recompute_buffers(model, device):
     """Buffers that are not saved (the rotary inv_freq of the text model and of the vision tower) are computed when a
     module is built; on the meta device they were not, and to_empty left garbage. Build each module that owns one
     again, on the CPU from its config, and take its values (on the compute device, also when parameters are
-    offloaded)."""
+    offloaded). Gemma's scaled embeddings (no config) keep their scale as a number beside the buffer: it is set from
+    that (sqrt(hidden) for the tokens' embedding, sqrt(hidden_size_per_layer_input) for the per-layer one)."""
     for name, module in model.named_modules():
         buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not buffers:
+            continue
+        if buffers == ["embed_scale"] and hasattr(module, "scalar_embed_scale"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device, dtype=module.embed_scale.dtype)
             continue
         if not hasattr(module, "config"):
             raise NotImplementedError(f"{name} ({type(module).__name__}): cannot recompute buffers {buffers}")

@@ -104,7 +104,7 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4"])
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
