@@ -29,9 +29,10 @@ def tower_and_layers(model):
 
 
 def gemma_tower_and_layers(model):
-    """Gemma 4's FSDP2 units: its vision tower (model.vision_tower; the projection into the text model,
-    embed_vision, stays with the root), then each decoder layer."""
-    return [model.model.vision_tower, *model.model.language_model.layers]
+    """Gemma 4's FSDP2 units: its vision tower (model.vision_tower), the projection of its soft tokens into the text
+    model (model.embed_vision: outside the tower, and run with it before generate's prefill, where the root's
+    parameters are not gathered yet), then each decoder layer."""
+    return [model.model.vision_tower, model.model.embed_vision, *model.model.language_model.layers]
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,10 @@ _GEMMA4 = dict(
     tools=False,
     sequence_parallel=False,
     padding_free=False,
-    engines=(),
-    engines_missing="the prompts, the rollout and the batches carry Qwen's image_grid_thw, not Gemma 4's "
-    "image_position_ids, and the vision tower's blank pass (logprobs.vision_dummy) is Qwen's",
+    engines=("hf",),
+    engines_missing="its rollout engine (vllm_engine.py) collapses an image's tokens to one placeholder the Qwen "
+    "way, and gemma4_mm widens the processor's <|image|> into the image's markers and soft tokens itself; not done "
+    "or tested for Gemma 4 yet (vLLM itself matches the trainer after a sync: docs/families.md)",
 )
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
@@ -121,7 +123,7 @@ FAMILIES = {
     "glm4v": Family(tower_and_layers, 28, **_GLM4V),
     # Gemma 4 (dense: E2B, E4B, 31B): a SigLIP-style tower (model.model.vision_tower) whose 16 px patches pool 3 x 3
     # into soft tokens (48 px each), 1-D positions, sliding-window layers, logits soft-capped (logprobs.soft_capped).
-    # Only the log-prob forward on a padded batch is held to transformers' yet (docs/families.md).
+    # Padded micro-batches with the HF engine only, for now (docs/families.md).
     "gemma4": Family(gemma_tower_and_layers, 48, **_GEMMA4),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

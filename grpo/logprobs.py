@@ -306,7 +306,13 @@ def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, ent
     sequence-parallel group to cut each packed row over, or None."""
     if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
         # (the state at the last position predicts nothing we sampled; the head drops it)
-        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
+        extra = {}
+        if getattr(model.model, "get_rope_index", None) is None and inputs.get("attention_mask") is not None:
+            # 1-D positions (Gemma 4), which the model would count from the row's first column, left pads included:
+            # from each sequence's first token instead, as it has them alone (and as the engines do)
+            extra["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1,
+                              **extra)  # fmt: skip
     else:
         for key in ("prompt_lens", "group_sizes", "response_lens"):
             inputs.pop(key)
@@ -356,7 +362,16 @@ def _zero_of(out) -> torch.Tensor:
 
 
 def vision_dummy(model):
-    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy."""
+    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy. Gemma 4's
+    through its projection into the text model too (its own FSDP2 unit, which the image path runs)."""
+    if hasattr(model.model, "vision_tower"):  # Gemma 4: k x k patches, pooled into one soft token
+        tower = model.model.vision_tower
+        k, patch = tower.config.pooling_kernel_size, tower.config.patch_size
+        device = compute_device(model)
+        pixels = torch.zeros(1, k * k, 3 * patch**2, device=device)  # (1, patches, C * P * P)
+        ys, xs = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
+        positions = torch.stack([xs.flatten(), ys.flatten()], -1)[None].to(device)  # (1, patches, 2): (x, y)
+        return model.model.get_image_features(pixels, positions, return_dict=True)
     tower = model.model.visual
     side = tower.config.spatial_merge_size  # a grid of merge x merge patches: the smallest the merger accepts
     patch_dim = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2

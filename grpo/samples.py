@@ -92,6 +92,7 @@ def encode_prompt(processor, example) -> Prompt:
         token_types=None if types is None else types[0], pixel_values_videos=out.get("pixel_values_videos"),
         video_grid_thw=out.get("video_grid_thw"), second_per_grid_ts=out.get("second_per_grid_ts"), videos=videos,
         template_ids=processor.tokenizer(example.prompt)["input_ids"],
+        image_position_ids=out.get("image_position_ids"),
     )  # fmt: skip
 
 
