@@ -70,10 +70,6 @@ class Family:
     # Packed rows (actor.padding_free, and the shared prefixes that ride on them): attention.py bounds each packed
     # sequence causally, with no sliding window and no bidirectional block, which Gemma 4's layers have.
     padding_free: bool = True
-    # The rollout engines (rollout.engine) the family runs under; an engine not named is refused at start.
-    engines: tuple = ("hf", "vllm")
-    # Why the engines not in `engines` cannot run the family yet (the refusal's reason).
-    engines_missing: str = ""
     # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
     # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
     # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
@@ -106,10 +102,6 @@ _GEMMA4 = dict(
     tools=False,
     sequence_parallel=False,
     padding_free=False,
-    engines=("hf",),
-    engines_missing="its rollout engine (vllm_engine.py) collapses an image's tokens to one placeholder the Qwen "
-    "way, and gemma4_mm widens the processor's <|image|> into the image's markers and soft tokens itself; not done "
-    "or tested for Gemma 4 yet (vLLM itself matches the trainer after a sync: docs/families.md)",
 )
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
@@ -123,7 +115,7 @@ FAMILIES = {
     "glm4v": Family(tower_and_layers, 28, **_GLM4V),
     # Gemma 4 (dense: E2B, E4B, 31B): a SigLIP-style tower (model.model.vision_tower) whose 16 px patches pool 3 x 3
     # into soft tokens (48 px each), 1-D positions, sliding-window layers, logits soft-capped (logprobs.soft_capped).
-    # Padded micro-batches with the HF engine only, for now (docs/families.md).
+    # Padded micro-batches only, for now (docs/families.md).
     "gemma4": Family(gemma_tower_and_layers, 48, **_GEMMA4),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -163,9 +155,6 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
             if key == "actor.padding_free":
                 what = "packed rows (actor.padding_free, and so actor.shared_prefix)"
             return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
-    if engine not in fam.engines:
-        return (f"rollout.engine={engine}: a {model_type} model cannot run under it here yet: {fam.engines_missing} "
-                "(docs/families.md)")  # fmt: skip
     return None
 
 

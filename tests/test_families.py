@@ -537,8 +537,8 @@ def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap)
 def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
     yet: packed rows (the packed attention has no sliding window: measured 1.26 off on the tiny model), sequence
-    parallelism, tool turns, videos, the vLLM engine, and a memory plan. Each stops the dry run in one line naming
-    its key, before anything loads."""
+    parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its key, before
+    anything loads."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -564,9 +564,9 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         (("actor.sequence_parallel_size=2",), "actor.sequence_parallel_size=2: a gemma4 model cannot"),
         (("rollout.tools=[grpo/tools.py:crop]",), "rollout.tools=['grpo/tools.py:crop']: a gemma4 model cannot"),
         (("rollout.max_videos_per_prompt=1",), "rollout.max_videos_per_prompt=1: a gemma4 model cannot"),
-        ((*unpacked, "rollout.engine=vllm"), "rollout.engine=vllm: a gemma4 model cannot run under it here yet"),
-        # what a CPU run goes on without (test_gemma4_with_the_hf_engine_trains_on_two_ranks), a dry run plans
+        # what a CPU run goes on without (test_gemma4_trains_on_two_ranks), a dry run plans
         ((*unpacked, "rollout.engine=hf"), "the memory plan does not count a gemma4 model yet"),
+        ((*unpacked, "rollout.engine=vllm"), "the memory plan does not count a gemma4 model yet"),
     ]
     for overrides, refusal in asks:
         code, out = dry_run(*overrides)
@@ -638,14 +638,18 @@ def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir):
     assert min(before) > 0.1 and text <= 1e-4 and image <= 1e-4, (before, text, image)
 
 
-def test_gemma4_with_the_hf_engine_trains_on_two_ranks(tiny_family_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_gemma4_trains_on_two_ranks(tiny_family_dir, tmp_path, engine):
     """Guards against a Gemma 4 run that fails or scores wrong on two ranks: prompts without their
     image_position_ids, a rank without images whose blank tower pass is Qwen's or skips the soft-token projection
     (its own FSDP2 unit, which generate runs before the prefill: the collectives fall out of step or a parameter is
     read unsharded), and an export in other names than the checkpoint's. (Left pads that shifted the 1-D positions
     made the engine's log-probs drift from the trainer's by 1.7e-4 in a full fine-tuning run by hand, 6.2e-6 since
-    the positions count from each sequence's first token; here both score the same micro-batches.) Two steps,
-    HF engine, padded micro-batches, LoRA on the decoder (whose shared-k/v layers have no k_proj / v_proj)."""
+    the positions count from each sequence's first token; here both score the same micro-batches.) With vLLM: a
+    sync that does not reach its gemma4_mm (the engine's log-probs at step 2 would be the first step's weights'), an
+    image sent other than as the template's one <|image|> (its markers would come twice). Two steps, padded
+    micro-batches; the HF engine with LoRA on the decoder (whose shared-k/v layers have no k_proj / v_proj), vLLM
+    with full fine-tuning."""
     from safetensors.torch import load_file
 
     from scripts.make_synthetic_data import make_geo3k_like
@@ -655,15 +659,15 @@ def test_gemma4_with_the_hf_engine_trains_on_two_ranks(tiny_family_dir, tmp_path
     out_dir = tmp_path / "run"
     unpacked = ("actor.padding_free=false", "actor.shared_prefix=false", "actor.max_tokens_per_micro_batch=0",
                 "actor.max_tokens_per_micro_batch_no_grad=0")  # fmt: skip
-    torchrun(2, "train_grpo.py", "configs/tiny.yaml", "rollout.engine=hf", f"actor.model_path={path}",
+    torchrun(2, "train_grpo.py", "configs/tiny.yaml", f"rollout.engine={engine}", f"actor.model_path={path}",
              f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out_dir}", "trainer.max_steps=2",
              "data.rollout_batch_size=4", "rollout.n=4", "actor.global_batch_size=4", "actor.micro_batch_size=8",
-             *unpacked, "actor.lora_rank=8", "actor.lr=1e-2")  # fmt: skip
+             *unpacked, *(("actor.lora_rank=8", "actor.lr=1e-2") if engine == "hf" else ()))  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2]
     diff = max(r["rollout/logprob_diff_max/image"] for r in rows)  # every prompt has an image
-    print(f"gemma4 HF engine, 2 ranks, LoRA: engine vs trainer max |dlogp| {diff:.1e}")
+    print(f"gemma4 {engine} engine, 2 ranks: engine vs trainer max |dlogp| {diff:.1e}")
     assert diff <= 1e-4, diff
     final, initial = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(f"{path}/model.safetensors")
     assert sorted(final) == sorted(initial)
