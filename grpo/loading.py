@@ -288,11 +288,13 @@ def load_weights(model, path, device):
                 if tuple(rows.get_shape()) != tuple(p.shape):
                     raise ValueError(f"{file}: {key} has shape {rows.get_shape()}, the model's {name} {tuple(p.shape)}")
                 local.copy_(rows[start : start + local.shape[0]])
-        # buffers the checkpoint holds (Gemma 4's per-layer output scale, layer_scalar): whole on every rank, as FSDP2
-        # leaves buffers unsharded
+        # buffers the checkpoint holds (Gemma 4's per-layer output scale, layer_scalar, and its clipped linears'
+        # bounds): whole on every rank, as FSDP2 leaves buffers unsharded
         for name, b in _saved_buffers(model):
-            if base_name(name) in where:
-                b.copy_(read(base_name(name)))
+            if base_name(name) in where:  # (whole, and some are 0-d: a clipped linear's bounds, which no slice reads)
+                file, key = where[base_name(name)]
+                with safe_open(file, "pt") as f:
+                    b.copy_(f.get_tensor(key))
     _recompute_buffers(model, device)
     return model
 

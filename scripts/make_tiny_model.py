@@ -701,7 +701,7 @@ def build_gemma4_config(tokenizer) -> Gemma4Config:
     a quarter of them), the last layers reusing earlier layers' keys and values (num_kv_shared_layers) with the
     double-wide MLP, per-layer input embeddings (hidden_size_per_layer_input), tied embeddings, logits soft-capped
     at 30, no bidirectional image attention (use_bidirectional_attention unset, as E2B's); a SigLIP-style tower
-    pooling 3 x 3 patches into a soft token. No audio tower (the trainer sends no audio)."""
+    pooling 3 x 3 patches into a soft token, its linears clipped. No audio tower (the trainer sends no audio)."""
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in GEMMA_SPECIAL_TOKENS}
     special = dict(pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
     text_config = dict(
@@ -736,6 +736,7 @@ def build_gemma4_config(tokenizer) -> Gemma4Config:
         patch_size=16,
         pooling_kernel_size=3,
         position_embedding_size=64,
+        use_clipped_linears=True,  # as E2B's: each linear's input and output clip bounds, buffers in the checkpoint
         initializer_range=0.02,
         # the soft tokens of an image at the processor's budget: vLLM's gemma4_mm sizes its encoder budget by it
         # (transformers' config class has no such field; the real configs carry it, 280)
