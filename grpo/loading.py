@@ -344,7 +344,11 @@ def load_sharded(path, device, attn_implementation, gradient_checkpointing=False
     and kept in fp32 whatever `dtype` the frozen base has."""
     model = load_model(path, device, attn_implementation, gradient_checkpointing, dtype, meta=True)
     if freeze_vision_tower:
-        model.model.visual.requires_grad_(False)
+        # the units before the decoder layers: the tower (Qwen's mergers inside it; Gemma 4's soft-token projection
+        # beside it)
+        units = family(model).fsdp_units(model)
+        for unit in units[: len(units) - len(model.model.language_model.layers)]:
+            unit.requires_grad_(False)
     if lora is not None:
         add_lora(model, lora)
         # The adapters train in fp32 (AdamW steps of lr 1e-6 vanish in bf16) beside a base that may be bf16: FSDP2

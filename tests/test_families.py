@@ -673,3 +673,14 @@ def test_gemma4_trains_on_two_ranks(tiny_family_dir, tmp_path, engine):
     assert sorted(final) == sorted(initial)
     layer = "model.language_model.layers.0"
     assert not torch.equal(final[f"{layer}.self_attn.q_proj.weight"], initial[f"{layer}.self_attn.q_proj.weight"])
+
+
+def test_gemma4_freeze_vision_tower_freezes_its_tower_and_projection(tiny_family_dir, one_rank_group):
+    """Guards against actor.freeze_vision_tower reaching for Qwen's model.visual on Gemma 4 (an AttributeError at
+    load), or freezing its tower but training the soft-token projection beside it (embed_vision, Qwen's merger's
+    part), or freezing a decoder layer."""
+    model = loading.load_sharded(tiny_family_dir("gemma4"), torch.device("cpu"), "sdpa", freeze_vision_tower=True)
+    vision = ("model.vision_tower.", "model.embed_vision.")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith(vision)}, frozen
+    assert any(n.startswith("model.embed_vision.") for n in frozen)
