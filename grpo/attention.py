@@ -210,5 +210,6 @@ def _around(fn):
 def use_varlen_in_vision_tower(model):
     """Point the vision tower at varlen_packed under its flash-style name (see VISION_VARLEN), so it makes one
     kernel call per layer for all images and windows instead of a Python loop over them."""
-    if model.config._attn_implementation == "varlen_packed":
+    # (Qwen's and GLM's towers, model.visual; Gemma 4's keeps its own attention over its padded patches)
+    if model.config._attn_implementation == "varlen_packed" and hasattr(model.model, "visual"):
         model.model.visual.config._attn_implementation = VISION_VARLEN

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 NO_ROUTE = -1  # routing replay: a token the engine recorded no experts for; the trainer's router routes it
 # what the model's forward takes of a prompt's images and videos, concatenated over the prompts that have them
-VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                 "image_position_ids")  # fmt: skip
 
 
 def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:

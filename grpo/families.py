@@ -1,7 +1,8 @@
 """What differs between the model families this trainer supports (Qwen2.5-VL, Qwen3-VL, Qwen3.5 and the last two's
-mixtures of experts, GLM-4.1V): one small table, FAMILIES, so that everything else (loading, FSDP2, the packed forward,
-the weight sync) stays one code path. The experts' own code is in moe.py; the start-up check that a checkpoint is one of
-these families, whole, is loading.unsupported_model.
+mixtures of experts, GLM-4.1V, and Gemma 4's dense models as far as docs/families.md says): one small table,
+FAMILIES, so that everything else (loading, FSDP2, the packed forward, the weight sync) stays one code path. The
+experts' own code is in moe.py; the start-up check that a checkpoint is one of these families, whole, is
+loading.unsupported_model.
 """
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|imag
 # frames likewise, inside `<|begin_of_video|>` ... `<|end_of_video|>`)
 GLM_VISION_TOKENS = ("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|image|>",
                      "<|video|>")  # fmt: skip
+# Gemma 4's: each image is `<|image>` + one `<|image|>` per soft token + `<image|>`; a video frame's `<|video|>`s
+# likewise; audio `<|audio>` + `<|audio|>`s + `<audio|>`
+GEMMA_VISION_TOKENS = ("<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>")
 
 
 def tower_and_layers(model):
     """The FSDP2 units below the root: the vision tower as one unit (Qwen3-VL's deepstack mergers and every patch
     merger live inside it), then each decoder layer (Qwen3.5's linear- and full-attention layers alike)."""
     return [model.model.visual, *model.model.language_model.layers]
+
+
+def gemma_tower_and_layers(model):
+    """Gemma 4's FSDP2 units: its vision tower (model.vision_tower), the projection of its soft tokens into the text
+    model (model.embed_vision: outside the tower, and run with it before generate's prefill, where the root's
+    parameters are not gathered yet), then each decoder layer."""
+    return [model.model.vision_tower, model.model.embed_vision, *model.model.language_model.layers]
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,9 @@ class Family:
     videos: bool = True
     tools: bool = True
     sequence_parallel: bool = True
+    # Packed rows (actor.padding_free, and the shared prefixes that ride on them): attention.py bounds each packed
+    # sequence causally, with no sliding window and no bidirectional block, which Gemma 4's layers have.
+    padding_free: bool = True
     # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
     # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
     # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
@@ -82,6 +96,13 @@ _GLM4V = dict(
     sequence_parallel=False,
     vllm_text_config={"attention_bias": True},
 )
+_GEMMA4 = dict(
+    vision_tokens=GEMMA_VISION_TOKENS,
+    videos=False,
+    tools=False,
+    sequence_parallel=False,
+    padding_free=False,
+)
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
     "qwen3_vl": Family(tower_and_layers, 32),
@@ -92,6 +113,10 @@ FAMILIES = {
     # tower (learned position embeddings, a conv downsample before the merger, all inside model.visual), decoder
     # layers and vision tokens
     "glm4v": Family(tower_and_layers, 28, **_GLM4V),
+    # Gemma 4 (dense: E2B, E4B, 31B): a SigLIP-style tower (model.model.vision_tower) whose 16 px patches pool 3 x 3
+    # into soft tokens (48 px each), 1-D positions, sliding-window layers, logits soft-capped (logprobs.soft_capped).
+    # Padded micro-batches only, for now (docs/families.md).
+    "gemma4": Family(gemma_tower_and_layers, 48, **_GEMMA4),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -104,7 +129,7 @@ def unsupported_type(model_type) -> str | None:
 
 
 def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0,
-            engine: str = "hf", text_config=None) -> str | None:  # fmt: skip
+            engine: str = "hf", text_config=None, padding_free: bool = False) -> str | None:  # fmt: skip
     """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
     run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
     again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most).
@@ -122,10 +147,13 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
     sp, videos = sequence_parallel_size, max_videos_per_prompt
     asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
             ("rollout.tools", list(tools), bool(tools), fam.tools),
-            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos))  # fmt: skip
+            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos),
+            ("actor.padding_free", padding_free, padding_free, fam.padding_free))  # fmt: skip
     for key, value, on, can in asks:
         if on and not can:
             what = "videos (data.video_key)" if key.endswith("videos_per_prompt") else key
+            if key == "actor.padding_free":
+                what = "packed rows (actor.padding_free, and so actor.shared_prefix)"
             return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
     return None
 

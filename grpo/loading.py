@@ -288,18 +288,37 @@ def load_weights(model, path, device):
                 if tuple(rows.get_shape()) != tuple(p.shape):
                     raise ValueError(f"{file}: {key} has shape {rows.get_shape()}, the model's {name} {tuple(p.shape)}")
                 local.copy_(rows[start : start + local.shape[0]])
+        # buffers the checkpoint holds (Gemma 4's per-layer output scale, layer_scalar, and its clipped linears'
+        # bounds): whole on every rank, as FSDP2 leaves buffers unsharded
+        for name, b in _saved_buffers(model):
+            if base_name(name) in where:  # (whole, and some are 0-d: a clipped linear's bounds, which no slice reads)
+                file, key = where[base_name(name)]
+                with safe_open(file, "pt") as f:
+                    b.copy_(f.get_tensor(key))
     _recompute_buffers(model, device)
     return model
+
+
+def _saved_buffers(model):
+    """(name, buffer) of every buffer a checkpoint saves (the persistent ones)."""
+    for prefix, module in model.named_modules():
+        for b, value in module._buffers.items():
+            if value is not None and b not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{b}" if prefix else b, value
 
 
 def _recompute_buffers(model, device):
     """Buffers that are not saved (the rotary inv_freq of the text model and of the vision tower) are computed when a
     module is built; on the meta device they were not, and to_empty left garbage. Build each module that owns one
     again, on the CPU from its config, and take its values (on the compute device, also when parameters are
-    offloaded)."""
+    offloaded). Gemma's scaled embeddings (no config) keep their scale as a number beside the buffer: it is set from
+    that (sqrt(hidden) for the tokens' embedding, sqrt(hidden_size_per_layer_input) for the per-layer one)."""
     for name, module in model.named_modules():
         buffers = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
         if not buffers:
+            continue
+        if buffers == ["embed_scale"] and hasattr(module, "scalar_embed_scale"):
+            module.embed_scale = torch.tensor(module.scalar_embed_scale, device=device, dtype=module.embed_scale.dtype)
             continue
         if not hasattr(module, "config"):
             raise NotImplementedError(f"{name} ({type(module).__name__}): cannot recompute buffers {buffers}")
@@ -325,7 +344,11 @@ def load_sharded(path, device, attn_implementation, gradient_checkpointing=False
     and kept in fp32 whatever `dtype` the frozen base has."""
     model = load_model(path, device, attn_implementation, gradient_checkpointing, dtype, meta=True)
     if freeze_vision_tower:
-        model.model.visual.requires_grad_(False)
+        # the units before the decoder layers: the tower (Qwen's mergers inside it; Gemma 4's soft-token projection
+        # beside it)
+        units = family(model).fsdp_units(model)
+        for unit in units[: len(units) - len(model.model.language_model.layers)]:
+            unit.requires_grad_(False)
     if lora is not None:
         add_lora(model, lora)
         # The adapters train in fp32 (AdamW steps of lr 1e-6 vanish in bf16) beside a base that may be bf16: FSDP2

@@ -100,7 +100,8 @@ def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]
                 x = out[0] if isinstance(out, tuple) else out
                 if name == "model.language_model.norm":  # the head inside the root's forward, its weight gathered
                     head = logprobs._head_weight(model.lm_head)  # (V, H)
-                    found["lm_head"] = [_rows(x)[-1:] @ head.detach().float().cpu().T]  # (1, V)
+                    logits = _rows(x)[-1:] @ head.detach().float().cpu().T  # (1, V)
+                    found["lm_head"] = [logprobs.soft_capped(logits, logprobs.logit_softcap(model))]
             found.setdefault(name, []).append(_rows(x) if not _is_router(name) else x.detach().cpu())
 
         return record

@@ -49,23 +49,37 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, forbidde
     return _entropy(scaled_logits(logits, temperature, forbidden))  # (B, T)
 
 
-def _head_chunk(hidden, weight, labels, temperature, with_entropy, forbidden):
+def soft_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), as a model with final_logit_softcapping (Gemma's) applies it after its LM head, in
+    the same dtype and order of operations; `cap` None: the logits as they are."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def logit_softcap(model) -> float | None:
+    """The model's final_logit_softcapping (Gemma 4's 30), or None (Qwen's and GLM's have none)."""
+    return getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+
+
+def _head_chunk(hidden, weight, labels, temperature, with_entropy, forbidden, softcap=None):
     logits = torch.nn.functional.linear(hidden, weight)  # (C, V), in the compute dtype, as the HF lm_head gives it
+    logits = soft_capped(logits, softcap)  # (C, V), what the model's forward makes of its head's output
     scaled = scaled_logits(logits, temperature, forbidden)  # (C, V) fp32, one copy for both
     return _logp(scaled, labels), _entropy(scaled) if with_entropy else None  # (C,)
 
 
-def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True, forbidden=None):
+def chunked_logprobs(hidden, weight, labels, temperature=1.0, chunk_size=512, with_entropy=True, forbidden=None,
+                     softcap=None):  # fmt: skip
     """hidden (B, T, H), LM head weight (V, H), labels (B, T) -> log p(label) (B, T) and entropy (B, T) or None,
     equal to token_logprobs/entropy_from_logits on the full logits, without ever holding (B, T, V) of them: the
     head runs `chunk_size` tokens at a time, and each chunk is checkpointed so backward recomputes its logits
     instead of keeping them. Peak memory O(chunk_size x V) instead of O(B x T x V). `forbidden` (K,): token ids left
-    out of the softmax (forbid_sampling)."""
+    out of the softmax (forbid_sampling). `softcap`: the model's final_logit_softcapping, applied to the head's
+    logits before the temperature, as the model's forward applies it (logit_softcap)."""
     h, y = hidden.flatten(0, 1), labels.flatten()  # (B*T, H), (B*T,)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     logps, entropies = [], []
     for i in range(0, max(h.shape[0], 1), chunk_size):  # (no tokens: one empty chunk, so the weight gets its grad)
-        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy, forbidden)
+        args = (h[i : i + chunk_size], weight, y[i : i + chunk_size], temperature, with_entropy, forbidden, softcap)
         if grad:
             logp, entropy = torch.utils.checkpoint.checkpoint(_head_chunk, *args, use_reentrant=False)
         else:
@@ -108,8 +122,11 @@ def text_after_vision_continues(model):
     temporal positions (frame pairs x tokens_per_second x seconds per pair) run past its spatial ones: the text after
     it would overlap the video's positions, and the trainer's log-probs would differ from vLLM's (measured: 0.06 on a
     tiny model). Qwen3-VL and Qwen3.5 give every frame pair its own block at one temporal position: no change there.
-    Wrapped on the instance, so the padded forward, packed_positions and generate all get it."""
-    inner = model.model.get_rope_index
+    Wrapped on the instance, so the padded forward, packed_positions and generate all get it. (A family with 1-D
+    positions, Gemma 4, has no get_rope_index: nothing to wrap.)"""
+    inner = getattr(model.model, "get_rope_index", None)
+    if inner is None:
+        return
 
     def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
         positions, _ = inner(input_ids, mm_token_type_ids, *args, attention_mask=attention_mask, **kwargs)  # (3, B, L)
@@ -220,20 +237,27 @@ def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_gr
     """The model's forward with lm_head swapped for chunked_logprobs against `labels` (see forward_logprobs)."""
     head = model.lm_head
     forbidden = getattr(model, "forbidden_token_ids", None)  # (K,), forbid_sampling
+    # A soft-capping model (Gemma 4) caps whatever its head returns: here log-probs, which it must not touch. So the
+    # cap moves into the head, on the logits, and the config says none for this one call.
+    text_config, softcap = model.config.get_text_config(), logit_softcap(model)
 
     def head_forward(hidden):  # hidden (B, >= T, H): the state at position t predicts label t
         hidden = hidden[:, : labels.shape[1]]  # (B, T, H)
         logp, entropy = chunked_logprobs(hidden, _head_weight(head), labels, temperature, with_entropy=with_entropy,
-                                         forbidden=forbidden)  # fmt: skip
+                                         forbidden=forbidden, softcap=softcap)  # fmt: skip
         if entropy is not None and not entropy_grad:
             entropy = entropy.detach()
         return torch.stack([logp] if entropy is None else [logp, entropy], -1)  # (B, T, 1 or 2)
 
     head.forward = head_forward
+    if softcap is not None:
+        text_config.final_logit_softcapping = None
     try:
         return model(**inputs, **extra, use_cache=False, logits_to_keep=logits_to_keep).logits  # (B, T, 1 or 2)
     finally:
         del head.forward  # back to the class's nn.Linear.forward
+        if softcap is not None:
+            text_config.final_logit_softcapping = softcap
 
 
 def _head_weight(head):
@@ -282,7 +306,13 @@ def _forward(model, inputs, batch_inputs, labels, temperature, with_entropy, ent
     sequence-parallel group to cut each packed row over, or None."""
     if "response_lens" not in inputs:  # padded: every response starts at the same column, keep the last T + 1 positions
         # (the state at the last position predicts nothing we sampled; the head drops it)
-        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1)
+        extra = {}
+        if getattr(model.model, "get_rope_index", None) is None and inputs.get("attention_mask") is not None:
+            # 1-D positions (Gemma 4), which the model would count from the row's first column, left pads included:
+            # from each sequence's first token instead, as it has them alone (and as the engines do)
+            extra["position_ids"] = (inputs["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        out = _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, labels.shape[1] + 1,
+                              **extra)  # fmt: skip
     else:
         for key in ("prompt_lens", "group_sizes", "response_lens"):
             inputs.pop(key)
@@ -332,7 +362,16 @@ def _zero_of(out) -> torch.Tensor:
 
 
 def vision_dummy(model):
-    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy."""
+    """The vision tower's output for one minimal blank image (one merged token): see add_vision_dummy. Gemma 4's
+    through its projection into the text model too (its own FSDP2 unit, which the image path runs)."""
+    if hasattr(model.model, "vision_tower"):  # Gemma 4: k x k patches, pooled into one soft token
+        tower = model.model.vision_tower
+        k, patch = tower.config.pooling_kernel_size, tower.config.patch_size
+        device = compute_device(model)
+        pixels = torch.zeros(1, k * k, 3 * patch**2, device=device)  # (1, patches, C * P * P)
+        ys, xs = torch.meshgrid(torch.arange(k), torch.arange(k), indexing="ij")
+        positions = torch.stack([xs.flatten(), ys.flatten()], -1)[None].to(device)  # (1, patches, 2): (x, y)
+        return model.model.get_image_features(pixels, positions, return_dict=True)
     tower = model.model.visual
     side = tower.config.spatial_merge_size  # a grid of merge x merge patches: the smallest the merger accepts
     patch_dim = tower.config.in_channels * tower.config.temporal_patch_size * tower.config.patch_size**2

@@ -101,21 +101,35 @@ def fit_image(img: Image.Image, min_pixels: int, max_pixels: int, min_side: int 
 
 
 def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
-    """Make the processor resize images with the same budget as the dataset (and as vLLM must)."""
+    """Make the processor resize images with the same budget as the dataset (and as vLLM must). Gemma 4's resizes to
+    its soft-token budget instead and has no size to set."""
+    if processor.image_processor.size is None:
+        return
     size_type = type(processor.image_processor.size)  # transformers' SizeDict; built like this to skip a slow import
     processor.image_processor.size = size_type(shortest_edge=min_pixels, longest_edge=max_pixels)
 
 
 def image_side(image_processor) -> int:
     """Side in pixels of one merged image token, patch x merge: 28 for Qwen2.5-VL (14 x 2), 32 for Qwen3-VL and
-    Qwen3.5 (16 x 2). Taken from the checkpoint's own processor, which resizes every side to a multiple of it and
-    cannot make a side shorter than it."""
-    return image_processor.patch_size * image_processor.merge_size
+    Qwen3.5 (16 x 2), 48 for Gemma 4 (16 px patches pooled 3 x 3 into a soft token). Taken from the checkpoint's own
+    processor, which resizes every side to a multiple of it and cannot make a side shorter than it."""
+    merge = getattr(image_processor, "merge_size", None) or image_processor.pooling_kernel_size
+    return image_processor.patch_size * merge
 
 
 def image_token_count(image_processor, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
-    """Tokens the processor expands one `<|image_pad|>` into for an image fitted from width x height."""
+    """Tokens the processor expands one `<|image_pad|>` into for an image fitted from width x height. Gemma 4's
+    resizes every image, aspect kept, to fill its soft-token budget (whatever min/max_pixels say): its soft tokens
+    at that size, and the begin and end markers around them."""
     _, (w, h) = fitted_size(width, height, min_pixels, max_pixels, image_side(image_processor))
+    if hasattr(image_processor, "max_soft_tokens"):
+        from transformers.models.gemma4.image_processing_gemma4 import get_aspect_ratio_preserving_size
+
+        k, patch = image_processor.pooling_kernel_size, image_processor.patch_size
+        th, tw = get_aspect_ratio_preserving_size(height=h, width=w, patch_size=patch,
+                                                  max_patches=image_processor.max_soft_tokens * k**2,
+                                                  pooling_kernel_size=k)  # fmt: skip
+        return (th // (patch * k)) * (tw // (patch * k)) + 2
     budget = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     patches = image_processor.get_number_of_image_patches(h, w, budget)
     return patches // image_processor.merge_size**2

@@ -197,7 +197,8 @@ def modality(prompt) -> str:
     """Which of MODALITIES a prompt's samples count under, from what the trainer's model sees of it."""
     if getattr(prompt, "video_grid_thw", None) is not None:
         return "video"
-    return "image" if getattr(prompt, "image_grid_thw", None) is not None else "text"
+    images = ("image_grid_thw", "image_position_ids")  # (Gemma 4's images have no grid, their patches' places)
+    return "image" if any(getattr(prompt, k, None) is not None for k in images) else "text"
 
 
 def is_setting(alg) -> tuple[str, str | float]:

@@ -38,6 +38,9 @@ class Prompt:
     # the chat template's tokens, one pad per image and video: what engines that expand the pads themselves get
     template_ids: list[int] | None = None
     max_tokens: int | None = None  # fewer new tokens than SamplingParams.max_tokens (what a tool rollout has left)
+    # Gemma 4: (images, patches, 2) each patch's place in its image, (-1, -1) for padding (pixel_values is then
+    # (images, patches, dim))
+    image_position_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,6 +92,7 @@ def encode_prompt(processor, example) -> Prompt:
         token_types=None if types is None else types[0], pixel_values_videos=out.get("pixel_values_videos"),
         video_grid_thw=out.get("video_grid_thw"), second_per_grid_ts=out.get("second_per_grid_ts"), videos=videos,
         template_ids=processor.tokenizer(example.prompt)["input_ids"],
+        image_position_ids=out.get("image_position_ids"),
     )  # fmt: skip
 
 

@@ -169,6 +169,8 @@ def set_video_range(processor, min_pixels: int, max_pixels: int, max_frames: int
     """Make the processor take load_video's frames as they are: no resampling in time (they are sampled already),
     no resizing (they fit video_processor_size), no per-frame pixel cap of its own."""
     vp = processor.video_processor
+    if vp.size is None:  # Gemma 4's: frames resized to its soft-token budget, no size (its videos are refused here)
+        return
     size_type = type(vp.size)
     vp.size = size_type(**video_processor_size(vp, min_pixels, max_pixels, max_frames))
     vp.do_sample_frames = False

@@ -5,11 +5,14 @@ processor classes, model class and weight names) but only ~1M parameters, so tes
 code paths as the real models (HF training forward, vLLM rollout, weight sync) in seconds. Families:
 qwen2_5_vl (default), qwen3_vl (dense; deepstack mergers, q/k norms, 32 px patches), qwen3_5 (dense; linear-attention
 and full-attention layers mixed), their mixture-of-experts versions qwen3_vl_moe and qwen3_5_moe (4 experts, top-2;
-Qwen3.5's with its shared expert), and glm4v (GLM-4.1V: its own tokenizer, special tokens and chat template, a
-tower with learned position embeddings and a conv downsample before its merger, partial rotary mRoPE).
+Qwen3.5's with its shared expert), glm4v (GLM-4.1V: its own tokenizer, special tokens and chat template, a
+tower with learned position embeddings and a conv downsample before its merger, partial rotary mRoPE) and gemma4
+(Gemma 4 E2B shrunk: its own tokenizer class, special tokens and chat template, sliding-window and full-attention
+layers, shared keys and values, per-layer input embeddings, soft-capped logits, a tower pooling patches into soft
+tokens).
 
 Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
-       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe|glm4v] [--tools] [--digit-logit X]
+       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe|glm4v|gemma4] [--tools] [--digit-logit X]
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 from transformers import (
+    Gemma4AudioFeatureExtractor,
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4ImageProcessor,
+    Gemma4Processor,
+    Gemma4VideoProcessor,
+    GemmaTokenizer,
     GenerationConfig,
     Glm4vConfig,
     Glm4vForConditionalGeneration,
@@ -507,6 +517,43 @@ GLM_CHAT_TEMPLATE = (
 )
 
 
+# Gemma 4's special tokens, in the order the tiny vocabulary gets them: Gemma's first five (pad 0, eos 1, bos 2, unk 3,
+# mask 4, as in the real vocabulary), then its turn markers and the image, video and audio markers. Named ones are
+# read by Gemma4Processor from the tokenizer (image_token, boi_token, ...), the turn end stops an answer.
+GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|image>", "<image|>",
+                        "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>"]  # fmt: skip
+GEMMA_NAMED_TOKENS = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                      "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}  # fmt: skip
+
+# Renders as Gemma 4's template does for what the trainer sends: `<bos>` once, then `<|turn>role\n...<turn|>\n` per
+# message with the assistant's role written `model`, an image as its `<|image|>` placeholder (which the processor
+# widens to `<|image>` + one `<|image|>` per soft token + `<image|>`), a video as `<|video|>`, and
+# `<|turn>model\n` as the generation prompt.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|image|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|video|>"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<turn|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "<|turn>model\n"
+    "{% endif %}"
+)
+
+
 def build_glm_tokenizer(seed: int, vocab_size: int, tokenizer_class=PreTrainedTokenizerFast, tools: bool = False):
     """GLM-4.1V's tokenizer (a byte-level BPE behind transformers' generic fast tokenizer, as the checkpoint's
     tokenizer.json is) over a tiny trained BPE, with GLM's special tokens and chat template."""
@@ -610,6 +657,115 @@ def build_glm_generation_config(tokenizer) -> GenerationConfig:
     return GenerationConfig(eos_token_id=stops, pad_token_id=stops[0])
 
 
+def build_gemma_tokenizer(seed: int, vocab_size: int, tokenizer_class=GemmaTokenizer, tools: bool = False):
+    """Gemma 4's tokenizer class (a BPE over `▁`-for-space text with byte fallback, digits split one by one) over a
+    tiny trained vocabulary, with Gemma's special tokens, its named image/audio markers and its chat template."""
+    if tools:
+        raise ValueError("--tools: the tool turns are written in Qwen's chat format (grpo/turns.py)")
+    corpus = [line.replace(" ", "\u2581") for line in synthetic_corpus(seed)]
+    trainer_tok = Tokenizer(BPE())
+    trainer_tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\u2581", behavior="merged_with_previous"), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    trainer = BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                         special_tokens=GEMMA_SPECIAL_TOKENS[:5])  # fmt: skip
+    trainer_tok.train_from_iterator(corpus, trainer=trainer)
+    model = json.loads(trainer_tok.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):  # byte fallback: any character outside the vocabulary is spelled in bytes
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tokenizer = tokenizer_class(vocab=vocab, merges=merges, model_max_length=131072,
+                                extra_special_tokens=GEMMA_NAMED_TOKENS)  # fmt: skip
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_SPECIAL_TOKENS[5:]})
+    tokenizer.add_bos_token = False  # the chat template writes <bos>
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_gemma4_processor(tokenizer) -> Gemma4Processor:
+    """Gemma 4's processor: 16 px patches pooled 3 x 3 into soft tokens (48 px each), every image resized, aspect
+    kept, to fill the soft-token budget (70, the smallest the image processor accepts)."""
+    return Gemma4Processor(
+        feature_extractor=Gemma4AudioFeatureExtractor(),
+        image_processor=Gemma4ImageProcessor(max_soft_tokens=70),
+        tokenizer=tokenizer,
+        video_processor=Gemma4VideoProcessor(max_soft_tokens=70),
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        image_seq_length=70,
+    )
+
+
+def build_gemma4_config(tokenizer) -> Gemma4Config:
+    """Gemma 4 E2B's shape shrunk: sliding-window and full-attention layers (wider heads on the full ones, rotary on
+    a quarter of them), the last layers reusing earlier layers' keys and values (num_kv_shared_layers) with the
+    double-wide MLP, per-layer input embeddings (hidden_size_per_layer_input), tied embeddings, logits soft-capped
+    at 30, no bidirectional image attention (use_bidirectional_attention unset, as E2B's); a SigLIP-style tower
+    pooling 3 x 3 patches into a soft token, its linears clipped. No audio tower (the trainer sends no audio)."""
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in GEMMA_SPECIAL_TOKENS}
+    special = dict(pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        vocab_size_per_layer_input=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # vLLM's CPU attention takes 64 and 128
+        global_head_dim=128,
+        sliding_window=32,  # shorter than a prompt with an image: the window is exercised
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=16,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        max_position_embeddings=32768,
+        **special,
+    )
+    vision_config = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        patch_size=16,
+        pooling_kernel_size=3,
+        position_embedding_size=64,
+        use_clipped_linears=True,  # as E2B's: each linear's input and output clip bounds, buffers in the checkpoint
+        initializer_range=0.02,
+        # the soft tokens of an image at the processor's budget: vLLM's gemma4_mm sizes its encoder budget by it
+        # (transformers' config class has no such field; the real configs carry it, 280)
+        default_output_length=70,
+    )
+    return Gemma4Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        audio_config=None,
+        image_token_id=ids["<|image|>"],
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video|>"),
+        boi_token_id=ids["<|image>"],
+        eoi_token_id=ids["<image|>"],
+        audio_token_id=ids["<|audio|>"],
+        boa_token_id=ids["<|audio>"],
+        eoa_token_id=ids["<audio|>"],
+        vision_soft_tokens_per_image=70,  # (the real configs': 280)
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+
+
+def build_gemma_generation_config(tokenizer) -> GenerationConfig:
+    """Gemma 4's: an answer ends at the end of a turn (`<turn|>`) or the end of text."""
+    stops = tokenizer.convert_tokens_to_ids(["<turn|>", "<eos>"])
+    return GenerationConfig(eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,
+                            bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+
+
 # family -> (tokenizer class, processor builder, config builder, model class)
 FAMILIES = {
     "qwen2_5_vl": (Qwen2Tokenizer, build_processor, build_config, Qwen2_5_VLForConditionalGeneration),
@@ -620,7 +776,13 @@ FAMILIES = {
     "qwen3_5_moe": (Qwen3_5Tokenizer, build_qwen3_processor, functools.partial(build_qwen3_5_config, moe=True),
                     Qwen3_5MoeForConditionalGeneration),
     "glm4v": (PreTrainedTokenizerFast, build_glm4v_processor, build_glm4v_config, Glm4vForConditionalGeneration),
+    "gemma4": (GemmaTokenizer, build_gemma4_processor, build_gemma4_config, Gemma4ForConditionalGeneration),
 }  # fmt: skip
+# family -> (tokenizer builder, generation config builder), where not Qwen's
+TOKENIZERS = {
+    "glm4v": (build_glm_tokenizer, build_glm_generation_config),
+    "gemma4": (build_gemma_tokenizer, build_gemma_generation_config),
+}
 
 
 def _final_feature(model, tokenizer, dim: int = 0) -> float:
@@ -654,8 +816,11 @@ def build_tiny_model(
     tokenizer_class, make_processor, make_config, model_class = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    glm = family == "glm4v"
-    tokenizer = (build_glm_tokenizer if glm else build_tokenizer)(seed, vocab_size, tokenizer_class, tools)
+    make_tokenizer, make_generation_config = TOKENIZERS.get(family, (build_tokenizer, build_generation_config))
+    if family == "gemma4" and (eos_logit or loop_logit or digit_logit):
+        # its LM head is its embedding (tied), which these edits would change together
+        raise ValueError("gemma4: eos_logit, loop_logit and digit_logit edit the LM head, tied to the embedding")
+    tokenizer = make_tokenizer(seed, vocab_size, tokenizer_class, tools)
     processor = make_processor(tokenizer)
     config = make_config(tokenizer)
 
@@ -697,7 +862,7 @@ def build_tiny_model(
             feature = _final_feature(model, tokenizer, dim=2)
             model.lm_head.weight[:, 2] = 0.0
             model.lm_head.weight[tokenizer.convert_tokens_to_ids(list("0123456789")), 2] = digit_logit / feature
-    model.generation_config = (build_glm_generation_config if glm else build_generation_config)(tokenizer)
+    model.generation_config = make_generation_config(tokenizer)
 
     model.save_pretrained(out, safe_serialization=True)
     if family == "qwen3_vl_moe":

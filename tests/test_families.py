@@ -18,7 +18,7 @@ from tests.test_packing import _mixed_batch
 from tests.test_shared_prefix import _groups
 
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"]
-SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, glm4v"
+SUPPORTED = "supported: qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_vl_moe, qwen3_5_moe, glm4v, gemma4"
 
 
 def _grads(model):
@@ -104,7 +104,7 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4"])
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
@@ -459,3 +459,228 @@ def test_glm4v_with_lora_and_vllm_learns_toy_reward(tiny_family_dir, tmp_path):
     for key in (f"{layer}.mlp.gate_up_proj.weight", f"{layer}.self_attn.q_proj.weight", "lm_head.weight"):
         assert not torch.equal(final[key], initial[key]), key
     assert torch.equal(final[f"{layer}.input_layernorm.weight"], initial[f"{layer}.input_layernorm.weight"])
+
+
+def _gemma4_batch(processor):
+    """Two prompts, one with an image (its soft tokens and the text after them past the tiny model's 32-token sliding
+    window) and one text-only, and answers of uneven lengths, as samples.Prompt."""
+    from PIL import Image, ImageDraw
+
+    from grpo.samples import Prompt
+
+    prompts = []
+    for i, with_image in enumerate((True, False)):
+        content = [{"type": "text", "text": "Find x. " * (2 + 3 * i)}]
+        images = []
+        if with_image:
+            img = Image.new("RGB", (150, 90), "white")
+            ImageDraw.Draw(img).line((0, 0, 80, 60), fill="black", width=5)
+            content.insert(0, {"type": "image"})
+            images = [img]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        out = processor(text=[text], images=images or None, return_tensors="pt")
+        prompts.append(Prompt(out["input_ids"][0], out.get("pixel_values"), None, images,
+                              token_types=out["mm_token_type_ids"][0],
+                              image_position_ids=out.get("image_position_ids")))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(5, 400, (n,), generator=g).tolist() for n in (11, 4)]
+    return prompts, responses
+
+
+@pytest.mark.parametrize("cap", [None, 0.5])
+def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap):
+    """Guards against the trainer's log-prob head leaving out Gemma 4's final logit soft-capping, or capping the
+    log-probs it returns (the model's forward caps whatever its LM head gives), and against the padded batch
+    (left-padded prompts, per-layer input embeddings from the ids, the image's soft tokens, a sliding window) giving
+    other log-probs than transformers' own forward of each sequence alone: log_softmax of its logits / temperature.
+    At the checkpoint's cap (30) and at 0.5, where capping moves every logit. The reference runs transformers' own
+    sdpa: the trainer's sdpa_packed takes one unmasked row for a packed one and drops the sliding window (hence no
+    padding_free for the family)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = tiny_family_dir("gemma4")
+    processor = AutoProcessor.from_pretrained(path)
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if cap is not None:
+        model.config.text_config.final_logit_softcapping = cap
+        reference.config.text_config.final_logit_softcapping = cap
+    cap = model.config.text_config.final_logit_softcapping
+    assert model.config.model_type == "gemma4" and cap is not None
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, as the real checkpoints'
+    forbidden = torch.tensor(processor.tokenizer.convert_tokens_to_ids(list(families.GEMMA_VISION_TOKENS)))
+    assert sorted(model.forbidden_token_ids.tolist()) == sorted(forbidden.tolist())
+    prompts, responses = _gemma4_batch(processor)
+    assert prompts[0].image_position_ids is not None and len(prompts[0].input_ids) > 32  # the window is exercised
+    inputs, response_ids, mask = batching.collate(prompts, responses, processor.tokenizer.pad_token_id,
+                                                  model.config.image_token_id)  # fmt: skip
+    temperature = 0.9
+    with torch.no_grad():
+        logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, temperature, with_entropy=True)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids = torch.cat([p.input_ids, torch.tensor(r)])[None]  # (1, P + R)
+            vision = {"pixel_values": p.pixel_values, "image_position_ids": p.image_position_ids}
+            vision = {k: v for k, v in vision.items() if v is not None}
+            types = torch.cat([p.token_types, torch.zeros(len(r), dtype=torch.long)])[None]  # (1, P + R)
+            out = reference(input_ids=ids, mm_token_type_ids=types, **vision)
+            logits = out.logits[0, len(p.input_ids) - 1 : -1]  # (R, V), capped by the model
+            # the image, video and audio markers are out of the softmax, as both engines leave them out of sampling
+            ref = (logits.float() / temperature).index_fill(-1, forbidden, -torch.inf).log_softmax(-1)  # (R, V)
+            want = ref.gather(-1, torch.tensor(r)[:, None])[:, 0]  # (R,)
+            torch.testing.assert_close(logp[i, : len(r)], want, rtol=1e-5, atol=1e-5)
+            entropy = -(ref.exp() * ref.clamp(min=torch.finfo(torch.float32).min)).sum(-1)  # (R,)
+            torch.testing.assert_close(ent[i, : len(r)], entropy, rtol=1e-5, atol=1e-5)
+            assert (logits.abs() <= cap).all()
+    assert mask.sum() == sum(map(len, responses))
+
+
+def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
+    """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
+    yet: packed rows (the packed attention has no sliding window: measured 1.26 off on the tiny model), sequence
+    parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its key, before
+    anything loads."""
+    import train_grpo
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    images = make_geo3k_like(str(tmp_path / "images.parquet"), n_rows=32, seed=0)
+    monkeypatch.setattr(train_grpo, "setup_distributed", lambda *a: pytest.fail("a dry run formed a process group"))
+    path = tiny_family_dir("gemma4")
+
+    def dry_run(*overrides):
+        args = ["configs/tiny.yaml", f"actor.model_path={path}", f"data.train_files={images}",
+                f"data.val_files={images}", *overrides, "--dry-run"]  # fmt: skip
+        code = train_grpo.main(args)
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
+    unpacked = (
+        "actor.padding_free=false",
+        "actor.shared_prefix=false",
+        "actor.max_tokens_per_micro_batch=0",
+        "actor.max_tokens_per_micro_batch_no_grad=0",
+    )
+    asks = [
+        ((), "actor.padding_free=True: a gemma4 model cannot train with packed rows"),
+        (("actor.sequence_parallel_size=2",), "actor.sequence_parallel_size=2: a gemma4 model cannot"),
+        (("rollout.tools=[grpo/tools.py:crop]",), "rollout.tools=['grpo/tools.py:crop']: a gemma4 model cannot"),
+        (("rollout.max_videos_per_prompt=1",), "rollout.max_videos_per_prompt=1: a gemma4 model cannot"),
+        # what a CPU run goes on without (test_gemma4_trains_on_two_ranks), a dry run plans
+        ((*unpacked, "rollout.engine=hf"), "the memory plan does not count a gemma4 model yet"),
+        ((*unpacked, "rollout.engine=vllm"), "the memory plan does not count a gemma4 model yet"),
+    ]
+    for overrides, refusal in asks:
+        code, out = dry_run(*overrides)
+        assert code != 0 and refusal in out, (overrides, out)
+
+
+def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir):
+    """What the trainer's vLLM engine would need of vLLM 0.32's gemma4_mm, held before the engine takes the family:
+    it loads the tiny model (its vision_config's default_output_length, which transformers' class lacks, sizes its
+    encoder budget), takes the trainer's parameters under transformers' in-memory names (tied LM head, per-layer
+    embeddings, the tower and its projection; reload_weights, as vllm_engine.sync_weights sends them), and its
+    log-probs of its own samples, with the family's vision tokens forbidden, then equal the trainer's padded forward
+    (soft-capped logits, text and image rows, fp32): 1e-4. Before the sync the perturbed trainer is far from it."""
+    from PIL import Image, ImageDraw
+    from transformers import AutoProcessor
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSampling
+
+    from grpo import vllm_compat
+    from grpo.samples import Prompt, vision_token_ids
+
+    path = tiny_family_dir("gemma4")
+    processor = AutoProcessor.from_pretrained(path)
+    with vllm_compat.torch_cpu_linear(True):
+        limits = {"image": 1, "video": 0, "audio": 0}
+        llm = LLM(model=path, dtype=torch.float32, enforce_eager=True, max_model_len=512, seed=0, block_size=32,
+                  kv_cache_memory_bytes=64 << 20, enable_chunked_prefill=False, limit_mm_per_prompt=limits,
+                  logprobs_mode="processed_logprobs")  # fmt: skip
+    model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.std())
+    img = Image.new("RGB", (150, 90), "white")
+    ImageDraw.Draw(img).line((0, 0, 80, 60), fill="black", width=5)
+    bias = {t: -100.0 for t in vision_token_ids(processor.tokenizer, families.GEMMA_VISION_TOKENS)}
+
+    def gaps():
+        """max |vLLM - trainer| log-prob over 12 sampled tokens, text prompt and image prompt."""
+        out = []
+        for images in ([], [img]):
+            content = [{"type": "image"}] * len(images) + [{"type": "text", "text": "Find x. Find x. "}]
+            text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+            req = {"prompt": text, **({"multi_modal_data": {"image": images[0]}} if images else {})}
+            params = VLLMSampling(max_tokens=12, temperature=0.9, logprobs=0, seed=1, logit_bias=bias)
+            with vllm_compat.torch_cpu_linear(True):
+                answer = llm.generate([req], params, use_tqdm=False)[0].outputs[0]
+            ids = list(answer.token_ids)
+            engine = torch.tensor([d[t].logprob for d, t in zip(answer.logprobs, ids)])
+            hf = processor(text=[text], images=images or None, return_tensors="pt")
+            prompt = Prompt(hf["input_ids"][0], hf.get("pixel_values"), None, images, hf["mm_token_type_ids"][0],
+                            image_position_ids=hf.get("image_position_ids"))  # fmt: skip
+            inputs, response_ids, _ = batching.collate([prompt], [ids], processor.tokenizer.pad_token_id,
+                                                       model.config.image_token_id)  # fmt: skip
+            with torch.no_grad():
+                trainer = logprobs.forward_logprobs(model, inputs, response_ids, 0.9)[0][0]
+            out.append((engine - trainer).abs().max().item())
+        return out
+
+    before = gaps()
+    with vllm_compat.torch_cpu_linear(True):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (
+            (name, p.detach().clone()) for name, p in model.named_parameters())})  # fmt: skip
+    llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
+    llm.reset_mm_cache()
+    text, image = gaps()
+    print(f"gemma4: vLLM vs trainer after a sync: text {text:.1e}, image {image:.1e}; before it {min(before):.2f}")
+    assert min(before) > 0.1 and text <= 1e-4 and image <= 1e-4, (before, text, image)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_gemma4_trains_on_two_ranks(tiny_family_dir, tmp_path, engine):
+    """Guards against a Gemma 4 run that fails or scores wrong on two ranks: prompts without their
+    image_position_ids, a rank without images whose blank tower pass is Qwen's or skips the soft-token projection
+    (its own FSDP2 unit, which generate runs before the prefill: the collectives fall out of step or a parameter is
+    read unsharded), and an export in other names than the checkpoint's. (Left pads that shifted the 1-D positions
+    made the engine's log-probs drift from the trainer's by 1.7e-4 in a full fine-tuning run by hand, 6.2e-6 since
+    the positions count from each sequence's first token; here both score the same micro-batches.) With vLLM: a
+    sync that does not reach its gemma4_mm (the engine's log-probs at step 2 would be the first step's weights'), an
+    image sent other than as the template's one <|image|> (its markers would come twice). Two steps, padded
+    micro-batches; the HF engine with LoRA on the decoder (whose shared-k/v layers have no k_proj / v_proj), vLLM
+    with full fine-tuning."""
+    from safetensors.torch import load_file
+
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    path = tiny_family_dir("gemma4")
+    train = make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=16, seed=0)
+    out_dir = tmp_path / "run"
+    unpacked = ("actor.padding_free=false", "actor.shared_prefix=false", "actor.max_tokens_per_micro_batch=0",
+                "actor.max_tokens_per_micro_batch_no_grad=0")  # fmt: skip
+    torchrun(2, "train_grpo.py", "configs/tiny.yaml", f"rollout.engine={engine}", f"actor.model_path={path}",
+             f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out_dir}", "trainer.max_steps=2",
+             "data.rollout_batch_size=4", "rollout.n=4", "actor.global_batch_size=4", "actor.micro_batch_size=8",
+             *unpacked, *(("actor.lora_rank=8", "actor.lr=1e-2") if engine == "hf" else ()))  # fmt: skip
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2]
+    diff = max(r["rollout/logprob_diff_max/image"] for r in rows)  # every prompt has an image
+    print(f"gemma4 {engine} engine, 2 ranks: engine vs trainer max |dlogp| {diff:.1e}")
+    assert diff <= 1e-4, diff
+    final, initial = load_file(str(out_dir / "hf" / "model.safetensors")), load_file(f"{path}/model.safetensors")
+    assert sorted(final) == sorted(initial)
+    layer = "model.language_model.layers.0"
+    assert not torch.equal(final[f"{layer}.self_attn.q_proj.weight"], initial[f"{layer}.self_attn.q_proj.weight"])
+
+
+def test_gemma4_freeze_vision_tower_freezes_its_tower_and_projection(tiny_family_dir, one_rank_group):
+    """Guards against actor.freeze_vision_tower reaching for Qwen's model.visual on Gemma 4 (an AttributeError at
+    load), or freezing its tower but training the soft-token projection beside it (embed_vision, Qwen's merger's
+    part), or freezing a decoder layer."""
+    model = loading.load_sharded(tiny_family_dir("gemma4"), torch.device("cpu"), "sdpa", freeze_vision_tower=True)
+    vision = ("model.vision_tower.", "model.embed_vision.")
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith(vision)}, frozen
+    assert any(n.startswith("model.embed_vision.") for n in frozen)
