@@ -40,14 +40,20 @@ def has_format(response: str) -> bool:
     on degenerate outputs such as "</think>\\boxed{" repeated (0.2 s at 7.5k chars, 28 s at 30k),
     and RL policies do produce those. Taking the earliest occurrence of each piece is always optimal.
     """
+    rest = after_think(response)
+    if rest is None:
+        return False
+    boxed = rest.find("\\boxed{")
+    return boxed != -1 and rest.find("}", boxed + len("\\boxed{")) != -1
+
+
+def after_think(response: str) -> str | None:
+    """What follows the first </think> of a stripped response that opens with <think>, or None (no such block)."""
     text = response.strip()
     if not text.startswith("<think>"):
-        return False
+        return None
     think_end = text.find("</think>", len("<think>"))
-    if think_end == -1:
-        return False
-    boxed = text.find("\\boxed{", think_end + len("</think>"))
-    return boxed != -1 and text.find("}", boxed + len("\\boxed{")) != -1
+    return None if think_end == -1 else text[think_end + len("</think>") :]
 
 
 def last_boxed(text: str) -> str | None:
@@ -208,12 +214,16 @@ def is_equivalent(given: str, ground_truth: str) -> bool:
     return settled if settled is not None else grade_symbolically(given, ground_truth)
 
 
+def geo3k_score(answer: str | None, formatted: bool, ground_truth: str) -> dict[str, float]:
+    """The geo3k recipes' weights: 0.9 for an answer equivalent to the ground truth, 0.1 for the format."""
+    accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
+    format_score = float(formatted)
+    return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
+
+
 def compute_score(response: str, ground_truth: str) -> dict[str, float]:
     """The geo3k recipe: mostly correctness, a little for the <think>...</think> ... \\boxed{} format."""
-    answer = last_boxed(response)
-    accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
-    format_score = float(has_format(response))
-    return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
+    return geo3k_score(last_boxed(response), has_format(response), ground_truth)
 
 
 # -----------------------------------------------------------------------------
@@ -228,13 +238,10 @@ def has_think_answer_format(response: str) -> bool:
     """True if the stripped response is exactly <think>...</think>, then whitespace, then one <answer>...</answer>.
 
     Chained find()s, as has_format's, so that degenerate outputs cost one pass."""
-    text = response.strip()
-    if not text.startswith("<think>"):
+    rest = after_think(response)
+    if rest is None:
         return False
-    think_end = text.find("</think>", len("<think>"))
-    if think_end == -1:
-        return False
-    rest = text[think_end + len("</think>") :].lstrip()
+    rest = rest.lstrip()
     if not (rest.startswith("<answer>") and rest.endswith("</answer>")):
         return False
     inner = rest[len("<answer>") : -len("</answer>")]
@@ -272,10 +279,7 @@ def think_answer(response: str) -> str | None:
 def compute_score_think_answer(response: str, ground_truth: str) -> dict[str, float]:
     """The GLM-4.1V geo3k recipe (configs/glm4v_9b_geo3k.yaml): compute_score's weights and grading, for the
     <think>...</think><answer>...</answer> format and the answer inside it (think_answer)."""
-    answer = think_answer(response)
-    accuracy = float(answer is not None and is_equivalent(answer, ground_truth))
-    format_score = float(has_think_answer_format(response))
-    return {"overall": 0.9 * accuracy + 0.1 * format_score, "format": format_score, "accuracy": accuracy}
+    return geo3k_score(think_answer(response), has_think_answer_format(response), ground_truth)
 
 
 # -----------------------------------------------------------------------------
