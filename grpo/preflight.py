@@ -109,13 +109,20 @@ def family_refusal(cfg) -> str | None:
 def attention_heads(path) -> int | None:
     """The language model's query heads of the checkpoint at `path` (its config.json, or the known numbers of a hub
     id), or None when it cannot be read without a download."""
+    s = _shape(path)
+    return s.heads if s else None
+
+
+def _shape(path):
+    """The checkpoint's ModelShape (its config.json, or a hub id's known numbers), or None when it cannot be read
+    without a download or is not a config.json of a supported family (the model checks say so)."""
     from grpo.model_shape import KNOWN_SHAPES, PlanError, read_model_shape
 
     if path not in KNOWN_SHAPES and not _readable(path):
         return None
     try:
-        return read_model_shape(path).heads
-    except PlanError:  # not a config.json of a supported family: the model checks say so
+        return read_model_shape(path)
+    except PlanError:
         return None
 
 
@@ -125,13 +132,8 @@ def tensor_parallel_problem(path, tp: int) -> str | None:
     linear-attention key and value heads (Qwen3.5's gated DeltaNet), and KV heads whole or replicated: a count that
     does not divide fails inside its load or first prefill, not at its own config check (which knows the query
     heads only)."""
-    from grpo.model_shape import KNOWN_SHAPES, PlanError, read_model_shape
-
-    if path not in KNOWN_SHAPES and not _readable(path):
-        return None
-    try:
-        s = read_model_shape(path)
-    except PlanError:
+    s = _shape(path)
+    if s is None:
         return None
     counts = [(s.heads, "query heads")]
     if s.linear_layers:
