@@ -48,11 +48,16 @@ class PackedLayout:
     by the recompute of gradient checkpointing, so no layer re-derives bounds with host syncs.
 
     segments: [(start, end, prefix_start, prefix_end)] in row order, covering the row; prefix_end == prefix_start
-    when a segment has no prefix."""
+    when a segment has no prefix. A segment's positions count from its prefix's start (from its own without one), as
+    the sequence has them alone. blocks: None, or (length,) the bidirectional block of each row token (-1: none):
+    in a sliding-window layer a query of a block also sees the block's later tokens (Gemma 4's images, with
+    use_bidirectional_attention="vision"; its full-attention layers stay causal)."""
 
-    def __init__(self, segments, length, device):
+    def __init__(self, segments, length, device, blocks=None):
         self.segments, self.length, self.device = segments, length, device
-        self._masks = self._varlen = self._linear = None  # the last: linear_attention.plan
+        self.blocks = None if blocks is None or not (blocks >= 0).any() else blocks
+        self._masks, self._varlen = {}, None  # the masks per sliding window (None: none)
+        self._linear = None  # linear_attention.plan
         # (fn, module, query, key, value, mask, **kwargs) -> attention output: what a packed attention call runs
         # instead of `fn` itself, when the row is cut over ranks (sequence_parallel.ulysses_attention); None: `fn`
         self.around = None
@@ -63,16 +68,33 @@ class PackedLayout:
         bounds = [0, *torch.as_tensor(seq_lens).cumsum(0).tolist()]
         return cls([(s, e, 0, 0) for s, e in zip(bounds[:-1], bounds[1:])], bounds[-1], device)
 
-    def prefix_masks(self):
-        """Per segment, None (no prefix: plain causal attention) or the (1, 1, n, prefix + n) bool mask of its
-        queries over [its prefix | itself]: the whole prefix, then causal -- the bottom-right-aligned causal mask."""
-        if self._masks is None:
-            self._masks = []
+    def bidirectional(self, window) -> bool:
+        """Whether a layer with this sliding window (None: a full-attention layer) has bidirectional blocks here."""
+        return window is not None and self.blocks is not None
+
+    def prefix_masks(self, window=None):
+        """Per segment, None (plain causal attention over itself) or the (1, 1, n, prefix + n) bool mask of its
+        queries over [its prefix | itself]: the whole prefix, then causal -- the bottom-right-aligned causal mask --
+        within `window` tokens of each query's position (kv > q - window, transformers' sliding window), and, in a
+        sliding layer, a block's queries over the rest of their block."""
+        if window not in self._masks:
+            masks = []
             for s, e, ps, pe in self.segments:
                 n, p = e - s, pe - ps
-                mask = torch.ones(n, p + n, dtype=torch.bool).tril(diagonal=p) if p else None
-                self._masks.append(None if mask is None else mask.to(self.device)[None, None])
-        return self._masks
+                q_pos, k_pos = torch.arange(p, p + n)[:, None], torch.arange(p + n)[None]  # (n, 1), (1, p + n)
+                mask, plain = k_pos <= q_pos, not p  # (n, p + n)
+                if window is not None and p + n > window:
+                    mask, plain = mask & (k_pos > q_pos - window), False
+                if self.bidirectional(window):
+                    own = self.blocks[s:e]
+                    keys = torch.cat([self.blocks[ps:pe], own])
+                    block = (own[:, None] == keys[None]) & (own[:, None] >= 0)
+                    if block.any():
+                        mask = mask | (block & (k_pos > q_pos - (window or n + p)))
+                        plain = False
+                masks.append(None if plain else mask.to(self.device)[None, None])
+            self._masks[window] = masks
+        return self._masks[window]
 
     def varlen_args(self):
         """(key_index or None, cu_q, cu_k, max_q, max_k) for the varlen kernel. Queries are the row as it is, one
@@ -112,32 +134,47 @@ def packed_layout(module, attention_mask, query, key, position_ids, kwargs):
 def sdpa_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
     """PyTorch sdpa that keeps a packed row's segments apart: the CPU stand-in for the varlen kernel, a segment at a
     time. A plain sequence or a prompt attends causally to itself; an answer of a shared-prefix group attends to
-    [its prompt | itself] through its PackedLayout.prefix_masks mask, the keys the varlen kernel gets on CUDA. One
-    call with a mask over the whole row would cost L^2 instead of the sum over segments: 3-5x slower at the CPU
-    demo's sizes, Python's loop included. Every other call (padded batches, generate, the vision tower) is plain
-    transformers sdpa."""
+    [its prompt | itself] through its PackedLayout.prefix_masks mask, the keys the varlen kernel gets on CUDA; a
+    sliding-window layer (transformers passes its `sliding_window`) within its window. One call with a mask over the
+    whole row would cost L^2 instead of the sum over segments: 3-5x slower at the CPU demo's sizes, Python's loop
+    included. Every other call (padded batches, generate, the vision tower) is plain transformers sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = packed_layout(module, attention_mask, query, key, position_ids, kwargs)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _segments_sdpa(module, query, key, value, layout, **kwargs)
+
+
+def _segments_sdpa(module, query, key, value, layout, sliding_window=None, **kwargs):
+    """A packed row's attention a segment at a time, each with its PackedLayout mask: (1, L, Hq, D)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     outs = []
-    for (s, e, ps, pe), mask in zip(layout.segments, layout.prefix_masks()):
+    for (s, e, ps, pe), mask in zip(layout.segments, layout.prefix_masks(sliding_window)):
         k, v = key[:, :, s:e], value[:, :, s:e]
-        if mask is not None:
+        if pe > ps:
             k, v = torch.cat([key[:, :, ps:pe], k], dim=2), torch.cat([value[:, :, ps:pe], v], dim=2)
         outs.append(sdpa_attention_forward(module, query[:, :, s:e], k, v, mask, **kwargs)[0])  # (1, n, heads, D)
     return torch.cat(outs, dim=1), None
 
 
-def varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+# Flash-attention's kernels, PyTorch's varlen one among them, take heads of at most 256 dims: Gemma 4's full-attention
+# layers have 512 (global_head_dim), which go through sdpa a segment at a time instead.
+FLASH_MAX_HEAD_DIM = 256
+
+
+def varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     """PyTorch's flash-attention varlen kernel, forward and backward (CUDA only; bf16/fp16). q (Lq, Hq, D), k and v
     (Lk, Hkv, D); sequence i is q rows cu_q[i]:cu_q[i+1] against k rows cu_k[i]:cu_k[i+1]. Grouped-query heads are
-    handled by the kernel itself, without repeating k and v. Tests swap in a CPU reference."""
+    handled by the kernel itself, without repeating k and v. `window` (causal only): a query sees the keys less than
+    `window` positions before its own, as transformers' sliding window does. Tests swap in a CPU reference."""
     from torch.nn.attention.varlen import varlen_attn
 
-    window = (-1, 0) if causal else (-1, -1)  # (-1, 0) is how varlen_attn spells causal (bottom-right aligned)
-    kwargs = {"scale": scale, "window_size": window}
+    # (-1, 0) is how varlen_attn spells causal (bottom-right aligned); (W - 1, 0) keeps W keys, the query's own
+    # included (flash-attention's left window counts the keys before the query's)
+    window_size = ((-1 if window is None else window - 1), 0) if causal else (-1, -1)
+    kwargs = {"scale": scale, "window_size": window_size}
     # torch 2.13 added enable_gqa; 2.11 has no such keyword (a TypeError at the first call). Flash-attention's varlen
     # kernel needs only that the query heads be a multiple of the key/value heads, so without it GQA is still right.
     if _varlen_takes_gqa(varlen_attn):
@@ -151,27 +188,33 @@ def _varlen_takes_gqa(fn) -> bool:
 
 
 def varlen_packed(module, query, key, value, attention_mask, position_ids=None, **kwargs):
-    """Attention for CUDA without flash-attn: packed rows (the decoder, causal, shared prefixes included) and the
-    vision tower's images and windows (full attention, bounds from the tower) through one varlen kernel call per
-    layer; every other call (padded batches, generate) is plain sdpa.
+    """Attention for CUDA without flash-attn: packed rows (the decoder, causal, shared prefixes and sliding windows
+    included) and the vision tower's images and windows (full attention, bounds from the tower) through one varlen
+    kernel call per layer; every other call (padded batches, generate) is plain sdpa, and so, a segment at a time, is
+    a packed layer the kernel cannot take (heads over FLASH_MAX_HEAD_DIM, or bidirectional image blocks).
     query (1, Hq, L, D), key/value (1, Hkv, L, D) -> (1, L, Hq, D)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    # Contiguous (L, heads, D), what every backend of varlen_attn takes: torch 2.14 sends full attention with equal
-    # heads and max_q > 128 on sm90/sm100 to cuDNN (varlen.py _can_use_cudnn), and the vision tower's v is a strided
-    # view of its fused qkv there (the decoder's are contiguous already: no copy)
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     scale = kwargs.get("scaling")
     if kwargs.get("cu_seq_lens_q") is not None:  # the vision tower (under VISION_VARLEN): full attention per chunk
+        # Contiguous (L, heads, D), what every backend of varlen_attn takes: torch 2.14 sends full attention with
+        # equal heads and max_q > 128 on sm90/sm100 to cuDNN (varlen.py _can_use_cudnn), and the vision tower's v is
+        # a strided view of its fused qkv there
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
         cu, max_len = kwargs["cu_seq_lens_q"].to(torch.int32), int(kwargs["max_length_q"])
         return varlen_kernel(q, k, v, cu, cu, max_len, max_len, False, scale).unsqueeze(0), None
     layout = packed_layout(module, attention_mask, query, key, position_ids, kwargs)
     if layout is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if query.shape[-1] > FLASH_MAX_HEAD_DIM or layout.bidirectional(window):
+        return _segments_sdpa(module, query, key, value, layout, **kwargs)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # (L, heads, D); the decoder's: no copy
     key_index, cu_q, cu_k, max_q, max_k = layout.varlen_args()
     if key_index is not None:  # each answer's keys: its group's prompt, then itself
         k, v = k[key_index], v[key_index]  # (K, Hkv, D); backward adds the prompt's key gradients up
-    return varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, True, scale).unsqueeze(0), None  # (1, L, Hq, D)
+    out = varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, True, scale, window)
+    return out.unsqueeze(0), None  # (1, L, Hq, D)
 
 
 def _register_attention():

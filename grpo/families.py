@@ -67,9 +67,6 @@ class Family:
     videos: bool = True
     tools: bool = True
     sequence_parallel: bool = True
-    # Packed rows (actor.padding_free, and the shared prefixes that ride on them): attention.py bounds each packed
-    # sequence causally, with no sliding window and no bidirectional block, which Gemma 4's layers have.
-    padding_free: bool = True
     # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
     # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
     # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
@@ -101,7 +98,6 @@ _GEMMA4 = dict(
     videos=False,
     tools=False,
     sequence_parallel=False,
-    padding_free=False,
 )
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
@@ -115,7 +111,7 @@ FAMILIES = {
     "glm4v": Family(tower_and_layers, 28, **_GLM4V),
     # Gemma 4 (dense: E2B, E4B, 31B): a SigLIP-style tower (model.model.vision_tower) whose 16 px patches pool 3 x 3
     # into soft tokens (48 px each), 1-D positions, sliding-window layers, logits soft-capped (logprobs.soft_capped).
-    # Padded micro-batches only, for now (docs/families.md).
+    # Packed rows keep its sliding windows and, where its config asks, its images' bidirectional blocks (attention.py).
     "gemma4": Family(gemma_tower_and_layers, 48, **_GEMMA4),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -129,7 +125,7 @@ def unsupported_type(model_type) -> str | None:
 
 
 def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0,
-            engine: str = "hf", text_config=None, padding_free: bool = False) -> str | None:  # fmt: skip
+            engine: str = "hf", text_config=None) -> str | None:  # fmt: skip
     """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
     run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
     again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most).
@@ -147,13 +143,10 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
     sp, videos = sequence_parallel_size, max_videos_per_prompt
     asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
             ("rollout.tools", list(tools), bool(tools), fam.tools),
-            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos),
-            ("actor.padding_free", padding_free, padding_free, fam.padding_free))  # fmt: skip
+            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos))  # fmt: skip
     for key, value, on, can in asks:
         if on and not can:
             what = "videos (data.video_key)" if key.endswith("videos_per_prompt") else key
-            if key == "actor.padding_free":
-                what = "packed rows (actor.padding_free, and so actor.shared_prefix)"
             return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
     return None
 

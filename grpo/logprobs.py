@@ -154,7 +154,8 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     go to get_rope_index with the images'.
 
     The row holds parts [prompt | answer 1 | ... | answer k], k = group_sizes[g] (k = 1: a plain sequence). Returns
-    - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width). Every answer gets the
+    - positions (4, 1, L): row 0 the text position, rows 1-3 mRoPE (temporal, height, width); (1, L) the text
+      positions alone for a model with 1-D positions (Gemma 4). Every answer gets the
       positions it would have right after its prompt, alone: each part's prompt with its longest answer goes
       through the model's own get_rope_index, and an answer's tokens take the columns after the prompt (text the
       model wrote -- vision tokens are never sampled -- whose positions run on from the prompt's). A part whose
@@ -208,6 +209,11 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
                 segments.append((a, a + n, offset, prompt_end))
             a += n
         offset, r = a, r + k
+    device = compute_device(model)
+    layout = PackedLayout(segments, offset, device, bidirectional_blocks(model, host_types))
+    keep, targets = torch.tensor(keep, device=device), torch.tensor(targets, device=device)
+    if getattr(model.model, "get_rope_index", None) is None:  # 1-D positions (Gemma 4): each part's own columns
+        return torch.tensor(column, device=device)[None], keep, targets, layout  # (1, L)
     if image_grid_thw is not None:  # each row's images, a prompt's again in each row it starts
         image_grid_thw = image_grid_thw[[i for row in grid_rows for i in row]]
     if video_grid_thw is not None:  # and its videos (a shared prompt with a row per answer: again in each)
@@ -220,7 +226,6 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     types = torch.zeros(len(parts), width, dtype=torch.long)  # (G, W): 0 text, 1 image, 2 video
     valid = torch.arange(width)[None] < torch.tensor([len(x) for x in parts])[:, None]  # (G, W)
     ids[valid], types[valid] = torch.cat(parts), torch.cat(part_types).long()
-    device = compute_device(model)
     grids = {"image_grid_thw": image_grid_thw, "video_grid_thw": video_grid_thw}
     if second_per_grid_ts is not None:  # Qwen2.5-VL: the video's temporal positions are spaced by its frame rate
         grids["second_per_grid_ts"] = second_per_grid_ts
@@ -229,8 +234,18 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
     mrope, _ = model.model.get_rope_index(ids.to(device), types.to(device), attention_mask=valid, **grids)  # (3, G, W)
     column, part = torch.tensor(column, device=device), torch.tensor(part, device=device)  # (L,), (L,)
     positions = torch.cat([column[None], mrope[:, part, column]])[:, None]  # (4, 1, L)
-    layout = PackedLayout(segments, offset, device)
-    return positions, torch.tensor(keep, device=device), torch.tensor(targets, device=device), layout
+    return positions, keep, targets, layout
+
+
+def bidirectional_blocks(model, host_types):
+    """(L,) each token's image block (a run of image or video tokens, numbered in row order; -1 for text), for a
+    model whose sliding-window layers let an image's tokens see each other both ways (Gemma 4's text_config
+    use_bidirectional_attention="vision", whose blocks transformers finds the same way); None for every other."""
+    if getattr(model.config.get_text_config(), "use_bidirectional_attention", None) != "vision":
+        return None
+    vision = (host_types == 1) | (host_types == 2)
+    starts = vision & ~torch.cat([vision.new_zeros(1), vision[:-1]])
+    return torch.where(vision, starts.long().cumsum(0) - 1, -1)
 
 
 def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):

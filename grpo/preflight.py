@@ -103,7 +103,7 @@ def family_refusal(cfg) -> str | None:
     config = AutoConfig.from_pretrained(path)
     r = cfg.rollout
     return families.refusal(config.model_type, cfg.actor.sequence_parallel_size, r.tools, r.max_videos_per_prompt,
-                            r.engine, config.get_text_config(), cfg.actor.padding_free)  # fmt: skip
+                            r.engine, config.get_text_config())  # fmt: skip
 
 
 def attention_heads(path) -> int | None:

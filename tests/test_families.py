@@ -494,8 +494,8 @@ def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap)
     (left-padded prompts, per-layer input embeddings from the ids, the image's soft tokens, a sliding window) giving
     other log-probs than transformers' own forward of each sequence alone: log_softmax of its logits / temperature.
     At the checkpoint's cap (30) and at 0.5, where capping moves every logit. The reference runs transformers' own
-    sdpa: the trainer's sdpa_packed takes one unmasked row for a packed one and drops the sliding window (hence no
-    padding_free for the family)."""
+    sdpa, with its own sliding-window masks (the packed rows are held to this padded batch in
+    test_gemma4_packed_and_shared_prefixes_equal_padded)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = tiny_family_dir("gemma4")
@@ -534,11 +534,91 @@ def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap)
     assert mask.sum() == sum(map(len, responses))
 
 
+def _flat_relative(got: dict, want: dict) -> float:
+    """|got - want| / |want| over all the gradients as one vector."""
+    diff = sum(((got[n] - want[n]) ** 2).sum() for n in want) ** 0.5
+    return (diff / sum((want[n] ** 2).sum() for n in want) ** 0.5).item()
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "varlen_packed"])
+@pytest.mark.parametrize("bidirectional", [None, "vision"])
+def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeypatch, bidirectional,
+                                                        attn_implementation):  # fmt: skip
+    """Guards against Gemma 4's packed rows attending other than its padded batch does: a sliding-window layer that
+    sees past its window (the tiny model's is 32 tokens; its image prompt is 82 and answers run to 40, so windows
+    reach back into a shared prompt), an image's soft tokens that do not see each other both ways in the sliding
+    layers of a checkpoint asking use_bidirectional_attention="vision" (the 26B-A4B's and 31B's; transformers' own
+    padded masks are the reference), or do so in its full-attention layers, and 1-D positions that do not restart
+    per sequence or continue a shared prompt. Unshared and shared-prefix packing, log-probs, entropies and
+    gradients, on CPU and on the CUDA path with torch 2.14's varlen_attn signature: its sliding layers ask the
+    kernel for the window, and with image blocks go a segment at a time (the kernel has no such mask)."""
+    import torch.nn.attention.varlen
+    from transformers import AutoProcessor
+
+    from tests.test_varlen import _varlen_attn_2_14
+
+    windows = []
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                    num_splits=None):  # fmt: skip
+        windows.append(tuple(window_size))
+        return _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                 window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
+
+    monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn)
+    path = tiny_family_dir("gemma4")
+    processor = AutoProcessor.from_pretrained(path)
+    # in float64: float32's own rounding moves these gradients by 2e-5 (1.6e-4 from float64's), float64's by 1e-7
+    model = loading.load_model(path, torch.device("cpu"), attn_implementation).to(torch.float64)
+    text_config = model.config.text_config
+    window = text_config.sliding_window
+    assert window == 32 and "full_attention" in text_config.layer_types
+    a, b = _gemma4_batch(processor)[0]
+    order = [a, a, a, b, b, a]  # a group of three answers, one of two, and an answer of the first prompt alone
+    g = torch.Generator().manual_seed(1)
+    responses = [torch.randint(5, 400, (n,), generator=g).tolist() for n in (40, 1, 25, 37, 3, 6)]
+    image_token_id = model.config.image_token_id
+    layouts = {
+        "padded": batching.collate(order, responses, processor.tokenizer.pad_token_id, image_token_id),
+        "packed": batching.pack(order, responses, image_token_id),
+        "shared": batching.pack(order, responses, image_token_id, share_prompts=True),
+    }
+    for inputs, _, _ in layouts.values():
+        inputs["pixel_values"] = inputs["pixel_values"].double()
+    results = {}
+    for causal_check in (False, True) if bidirectional else (False,):
+        text_config.use_bidirectional_attention = None if causal_check else bidirectional
+        for name, (inputs, response_ids, mask) in layouts.items():
+            if causal_check and name != "padded":
+                continue
+            windows.clear()
+            model.zero_grad(set_to_none=True)
+            logp, ent = logprobs.forward_logprobs(model, inputs, response_ids, 0.9, True, True)
+            ((logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
+            results["causal" if causal_check else name] = (logp.detach() * mask, ent.detach() * mask, _grads(model))
+            if name != "padded" and attn_implementation == "varlen_packed":
+                # two sliding layers, two full ones; forward and the recompute-free backward: one call a layer
+                sliding = [] if bidirectional else [(window - 1, 0)] * 2
+                assert sorted(windows) == sorted([(-1, 0)] * 2 + sliding), windows
+    logp_ref, ent_ref, grads_ref = results["padded"]
+    for name in ("packed", "shared"):
+        logp, ent, grads = results[name]
+        torch.testing.assert_close(logp, logp_ref, rtol=1e-7, atol=1e-7, msg=name)
+        torch.testing.assert_close(ent, ent_ref, rtol=1e-7, atol=1e-7, msg=name)
+        assert grads.keys() == grads_ref.keys() and any("vision_tower" in n for n in grads), name
+        relative = _flat_relative(grads, grads_ref)
+        assert relative <= 1e-6, (name, relative)  # the head's float32 log-softmax: 1e-7; a wrong mask: 1e-2
+        print(f"gemma4 {bidirectional} {attn_implementation} {name} vs padded: max |dlogp| "
+              f"{(logp - logp_ref).abs().max():.1e}, gradients {relative:.1e} relative")  # fmt: skip
+    if bidirectional:  # the image block moves this batch's log-probs: the comparison above saw it
+        assert (results["causal"][0] - logp_ref).abs().max() > 1e-2
+
+
 def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
-    yet: packed rows (the packed attention has no sliding window: measured 1.26 off on the tiny model), sequence
-    parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its key, before
-    anything loads."""
+    yet: sequence parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its
+    key, before anything loads."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -560,7 +640,6 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         "actor.max_tokens_per_micro_batch_no_grad=0",
     )
     asks = [
-        ((), "actor.padding_free=True: a gemma4 model cannot train with packed rows"),
         (("actor.sequence_parallel_size=2",), "actor.sequence_parallel_size=2: a gemma4 model cannot"),
         (("rollout.tools=[grpo/tools.py:crop]",), "rollout.tools=['grpo/tools.py:crop']: a gemma4 model cannot"),
         (("rollout.max_videos_per_prompt=1",), "rollout.max_videos_per_prompt=1: a gemma4 model cannot"),
@@ -602,9 +681,9 @@ def test_gemma4_trains_on_two_ranks(tiny_family_dir, tmp_path, engine):
     made the engine's log-probs drift from the trainer's by 1.7e-4 in a full fine-tuning run by hand, 6.2e-6 since
     the positions count from each sequence's first token; here both score the same micro-batches.) With vLLM: a
     sync that does not reach its gemma4_mm (the engine's log-probs at step 2 would be the first step's weights'), an
-    image sent other than as the template's one <|image|> (its markers would come twice). Two steps, padded
-    micro-batches; the HF engine with LoRA on the decoder (whose shared-k/v layers have no k_proj / v_proj), vLLM
-    with full fine-tuning."""
+    image sent other than as the template's one <|image|> (its markers would come twice). Two steps; the HF engine
+    with LoRA on the decoder (whose shared-k/v layers have no k_proj / v_proj) on packed rows with shared prefixes,
+    vLLM with full fine-tuning on padded micro-batches."""
     from safetensors.torch import load_file
 
     from scripts.make_synthetic_data import make_geo3k_like
@@ -617,7 +696,7 @@ def test_gemma4_trains_on_two_ranks(tiny_family_dir, tmp_path, engine):
     torchrun(2, "train_grpo.py", "configs/tiny.yaml", f"rollout.engine={engine}", f"actor.model_path={path}",
              f"data.train_files={train}", "data.val_files=", f"trainer.output_dir={out_dir}", "trainer.max_steps=2",
              "data.rollout_batch_size=4", "rollout.n=4", "actor.global_batch_size=4", "actor.micro_batch_size=8",
-             *unpacked, *(("actor.lora_rank=8", "actor.lr=1e-2") if engine == "hf" else ()))  # fmt: skip
+             *(("actor.lora_rank=8", "actor.lr=1e-2") if engine == "hf" else unpacked))  # fmt: skip
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rows] == [1, 2]

@@ -230,9 +230,9 @@ def test_gpu_check_tower_comparison_runs_on_cpu(tiny_family_dir, tmp_path, monke
 
     calls = []
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
         calls.append(causal)
-        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
     monkeypatch.setattr(attention, "varlen_kernel", kernel)
     make_geo3k_like(str(tmp_path / "train.parquet"), n_rows=4, seed=0)

@@ -11,11 +11,12 @@ from grpo import attention, batching, loading, logprobs
 from tests.test_packing import _mixed_batch
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     """What torch.nn.attention.varlen.varlen_attn computes, one sequence at a time with sdpa (CPU, any dtype). With
     more keys than queries its causal mask is aligned to the bottom right, as flash-attention's kernels align it:
-    query j of a sequence sees keys up to j + (keys - queries). Inputs must be contiguous: torch 2.14 hands full
-    attention (max_q > 128, equal heads, sm90) to cuDNN, which is not known to honour other strides."""
+    query j of a sequence sees keys up to j + (keys - queries), and with a `window` (causal) only the last `window`
+    of those. Inputs must be contiguous: torch 2.14 hands full attention (max_q > 128, equal heads, sm90) to cuDNN,
+    which is not known to honour other strides."""
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous(), [t.stride() for t in (q, k, v)]
     q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
     assert cu_q.dtype == cu_k.dtype == torch.int32 and q_bounds[0] == k_bounds[0] == 0
@@ -27,6 +28,8 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool)
         if causal:
             mask = mask.tril(diagonal=(ke - ks) - (qe - qs))
+        if causal and window is not None:
+            mask = mask & ~mask.tril(diagonal=(ke - ks) - (qe - qs) - window)
         qh, kh, vh = q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1)  # (heads, n, D)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         outs.append(o.transpose(0, 1))  # (n, Hq, D)
@@ -37,9 +40,10 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 def recorded_kernel(monkeypatch):
     calls = []
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-        calls.append({"causal": causal, "n": len(cu_q) - 1, "heads": (q.shape[1], k.shape[1]), "keys": k.shape[0]})
-        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+        calls.append({"causal": causal, "n": len(cu_q) - 1, "heads": (q.shape[1], k.shape[1]), "keys": k.shape[0],
+                      "window": window})  # fmt: skip
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
     monkeypatch.setattr(attention, "varlen_kernel", kernel)
     return calls
@@ -117,10 +121,43 @@ def test_varlen_packed_is_sdpa_off_the_packed_path(recorded_kernel):
         torch.testing.assert_close(got[:, s:e], alone)
 
 
+def test_varlen_packed_takes_heads_the_kernel_cannot_through_sdpa(recorded_kernel):
+    """Guards against a packed layer reaching the flash kernel with heads over 256 dims (Gemma 4's full-attention
+    layers have 512; flash-attention's kernels stop at 256) or with a sliding layer's image blocks (no kernel mask
+    holds them): both go through sdpa a segment at a time, and give what the CPU path gives, a shared prefix, the
+    window and the block included."""
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    layout = attention.PackedLayout([(0, 6, 0, 0), (6, 9, 0, 6), (9, 11, 0, 6)], 11, torch.device("cpu"),
+                                    blocks=torch.tensor([-1, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1]))  # fmt: skip
+    for dim, window in ((attention.FLASH_MAX_HEAD_DIM + 8, None), (16, 4)):
+        q = torch.randn(1, 4, 11, dim, generator=g)
+        k, v = torch.randn(1, 2, 11, dim, generator=g), torch.randn(1, 2, 11, dim, generator=g)
+        got = attention.varlen_packed(module, q, k, v, None, packed_layout=layout, sliding_window=window)[0]
+        want = attention.sdpa_packed(module, q, k, v, None, packed_layout=layout, sliding_window=window)[0]
+        torch.testing.assert_close(got, want)
+    assert recorded_kernel == []
+    # the window and the block, by hand: the prompt's image token 1 sees 0-3 (its block: ahead of itself too), the
+    # second answer's last token (position 6 + 1) the prompt from position 4 on and itself, with a window of 4
+    masks = layout.prefix_masks(4)
+    assert masks[0][0, 0, 1].tolist() == [True, True, True, True, False, False]
+    assert masks[2][0, 0, 1].tolist() == [False, False, False, False, True, True, True, True]
+
+
 def _varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                       window_size=(-1, -1)):  # fmt: skip
     """torch 2.11's varlen_attn signature exactly (no enable_gqa); GQA as flash-attention does it, by head groups."""
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale)
+    causal, window = _window(window_size)
+    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, window)
+
+
+def _window(window_size):
+    """varlen_attn's (left, right) window -> reference_varlen's (causal, window): (-1, -1) full, (-1, 0) causal,
+    (W - 1, 0) causal over the last W keys (flash-attention's left window counts the keys before the query's own)."""
+    left, right = window_size
+    assert right in (-1, 0) and (left == -1 or right == 0), window_size  # what varlen_kernel may ask
+    return right == 0, (None if left == -1 else left + 1)
 
 
 def _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
@@ -128,7 +165,8 @@ def _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, re
                       num_splits=None):  # fmt: skip
     """torch 2.13 / 2.14's signature exactly: grouped heads need enable_gqa=True."""
     assert enable_gqa == (query.shape[1] != key.shape[1])
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, tuple(window_size) == (-1, 0), scale)
+    causal, window = _window(window_size)
+    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal, scale, window)
 
 
 @pytest.mark.parametrize("stand_in", [_varlen_attn_2_11, _varlen_attn_2_14], ids=["torch2.11", "torch2.14"])

@@ -328,9 +328,9 @@ def test_varlen_path_covers_video_patches(tiny_family_dir, family, monkeypatch):
 
     calls = []
 
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
         calls.append((causal, len(cu_q) - 1))
-        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window)
 
     monkeypatch.setattr(attention, "varlen_kernel", kernel)
     processor = _processor(tiny_family_dir, family)
