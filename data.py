@@ -66,6 +66,7 @@ from grpo.media import (
     image_token_count,
     open_image,
     set_pixel_range,
+    set_soft_tokens,
 )
 from grpo.video import VIDEO_MARK, Video, load_video, set_video_range, video_source, video_token_count
 
@@ -356,6 +357,7 @@ class PromptDataset:
         tools: list[dict] | None = None,
         min_pixels: int = 262144,
         max_pixels: int = 4194304,
+        max_soft_tokens: int = 0,
         video_fps: float = 2.0,
         max_frames: int = 32,
         video_min_pixels: int = 16384,
@@ -369,6 +371,7 @@ class PromptDataset:
         self.processor = processor
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         set_pixel_range(processor, min_pixels, max_pixels)
+        set_soft_tokens(processor, max_soft_tokens)
         self.video_budget = (video_fps, max_frames, video_min_pixels, video_max_pixels)
         if video_fps <= 0 or max_frames < 1 or not 0 < video_min_pixels <= video_max_pixels:
             raise ValueError(f"bad video budget: fps {video_fps}, max_frames {max_frames}, "

@@ -44,6 +44,9 @@ class DataConfig:
     filter_overlong_prompts: bool = True  # drop (and count) prompts longer than max_prompt_length
     min_pixels: int = 262144  # images are resized into [min_pixels, max_pixels], in trainer and rollout alike
     max_pixels: int = 4194304
+    # Gemma 4 only: the soft tokens an image becomes (70, 140, 280, 560 or 1120; its processor resizes every image to
+    # fill them, whatever min/max_pixels say); 0: the checkpoint's processor's own (280 in the released ones)
+    max_soft_tokens: int = 0
     video_fps: float = 2.0  # video files are sampled at this rate; frame lists are taken as sampled at it
     max_frames: int = 32  # most frames kept of one video (evenly spread)
     video_min_pixels: int = 16384  # each video frame is resized into [video_min_pixels, video_max_pixels]

@@ -109,6 +109,23 @@ def set_pixel_range(processor, min_pixels: int, max_pixels: int) -> None:
     processor.image_processor.size = size_type(shortest_edge=min_pixels, longest_edge=max_pixels)
 
 
+# the budgets Gemma 4's image processor and vLLM's gemma4_mm take
+SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+
+
+def set_soft_tokens(processor, max_soft_tokens: int) -> None:
+    """data.max_soft_tokens onto the processor (0: leave its own). Only Gemma 4's processor has a soft-token budget;
+    asked of another, or with a budget it does not take, a ValueError naming the key."""
+    if not max_soft_tokens:
+        return
+    if not hasattr(processor.image_processor, "max_soft_tokens"):
+        raise ValueError(f"data.max_soft_tokens={max_soft_tokens}: only a Gemma 4 checkpoint's processor has a "
+                         "soft-token budget (the others' images are sized by data.min_pixels/max_pixels)")  # fmt: skip
+    if max_soft_tokens not in SOFT_TOKEN_BUDGETS:
+        raise ValueError(f"data.max_soft_tokens={max_soft_tokens}: Gemma 4 takes one of {SOFT_TOKEN_BUDGETS}")
+    processor.image_processor.max_soft_tokens = max_soft_tokens
+
+
 def image_side(image_processor) -> int:
     """Side in pixels of one merged image token, patch x merge: 28 for Qwen2.5-VL (14 x 2), 32 for Qwen3-VL and
     Qwen3.5 (16 x 2), 48 for Gemma 4 (16 px patches pooled 3 x 3 into a soft token). Taken from the checkpoint's own

@@ -164,7 +164,8 @@ def dataset_kwargs(cfg, processor, columns: bool | frozenset[str] = frozenset(),
         video_fps=d.video_fps, max_frames=d.max_frames, video_min_pixels=d.video_min_pixels,
         video_max_pixels=d.video_max_pixels, format_prompt=resolve_path(d.format_prompt) or None,
         **turns.offer_tools(cfg.rollout, processor, d.system_prompt or None),  # the tools' offer, when there are any
-        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_prompt_length=d.max_prompt_length,
+        min_pixels=d.min_pixels, max_pixels=d.max_pixels, max_soft_tokens=d.max_soft_tokens,
+        max_prompt_length=d.max_prompt_length,
         filter_overlong_prompts=d.filter_overlong_prompts, columns=columns, sample_rows=sample_rows,
     )  # fmt: skip
 

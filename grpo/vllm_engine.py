@@ -131,6 +131,8 @@ class VLLMEngine:
             }
         # the same image bounds as the trainer's processor, so an image becomes the same number of tokens
         mm_kwargs = {"size": {"shortest_edge": d.min_pixels, "longest_edge": d.max_pixels}}
+        if hasattr(processor.image_processor, "max_soft_tokens"):  # Gemma 4's budget instead (data.max_soft_tokens)
+            mm_kwargs["max_soft_tokens"] = d.max_soft_tokens or processor.image_processor.max_soft_tokens
         if self.max_videos:
             # Videos come sampled and sized (video.py) and get the bounds under which the trainer's processor keeps
             # them as they are. Scoped per modality: a plain `size` would bound video frames by the images' budget.

@@ -5,6 +5,7 @@ random model of its own family (real config, processor and tokenizer classes, sc
 import json
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -613,6 +614,36 @@ def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeyp
               f"{(logp - logp_ref).abs().max():.1e}, gradients {relative:.1e} relative")  # fmt: skip
     if bidirectional:  # the image block moves this batch's log-probs: the comparison above saw it
         assert (results["causal"][0] - logp_ref).abs().max() > 1e-2
+
+
+def test_gemma4_soft_token_budget_is_data_max_soft_tokens(tiny_family_dir, tmp_path):
+    """Guards against data.max_soft_tokens that does not reach Gemma 4's processor (every image would stay at the
+    checkpoint's budget whatever the config says), a prompt-length count that misses it (each row would be counted at
+    one budget and encoded at another: every one skipped as a bad row), and a budget the processor cannot take, or
+    one asked of a family that has none, passing silently."""
+    from transformers import AutoProcessor
+
+    from data import PromptDataset
+    from grpo.samples import encode_prompt
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    rows = make_geo3k_like(str(tmp_path / "rows.parquet"), n_rows=4, seed=0)
+    image_tokens = {}
+    for budget in (0, 140):
+        processor = AutoProcessor.from_pretrained(tiny_family_dir("gemma4"))
+        dataset = PromptDataset(rows, processor, max_soft_tokens=budget)
+        assert dataset.n_skipped == 0 and len(dataset) == 4
+        prompt = encode_prompt(processor, dataset[0])
+        assert len(prompt.input_ids) == dataset[0].num_prompt_tokens
+        image_tokens[budget] = int((prompt.token_types == 1).sum())
+    assert processor.image_processor.max_soft_tokens == 140
+    # the checkpoint's own is 70: a budget twice that gives each image about twice the soft tokens
+    assert 1.5 * image_tokens[0] < image_tokens[140] <= 140, image_tokens
+    refusals = ((tiny_family_dir("gemma4"), 100, "Gemma 4 takes one of (70, 140, 280, 560, 1120)"),
+                (tiny_family_dir("qwen2_5_vl"), 70, "only a Gemma 4 checkpoint's processor"))  # fmt: skip
+    for path, budget, message in refusals:
+        with pytest.raises(ValueError, match=rf"data\.max_soft_tokens={budget}: {re.escape(message)}"):
+            PromptDataset(rows, AutoProcessor.from_pretrained(path), max_soft_tokens=budget)
 
 
 def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
