@@ -141,8 +141,9 @@ def tensor_parallel_problem(path, tp: int) -> str | None:
     for n, what in counts:
         if n % tp:
             return f"{n} {what}"
-    if s.kv_heads % tp and tp % s.kv_heads:  # fewer KV heads than ranks are replicated, tp a multiple of them
-        return f"{s.kv_heads} KV heads"
+    for kv in (s.kv_heads, s.global_kv_heads or s.kv_heads):  # (Gemma 4's full layers have their own)
+        if kv % tp and tp % kv:  # fewer KV heads than ranks are replicated, tp a multiple of them
+            return f"{kv} KV heads"
     return None
 
 
