@@ -497,7 +497,8 @@ def test_geo3k_plans_term_by_term(config, hand):
     "config, model, params",
     [("configs/qwen3_vl_8b_geo3k.yaml", "Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696),
      ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744),
-     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472)],
+     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472),
+     ("configs/gemma4_geo3k.yaml", "google/gemma-4-E4B-it", 7_941_100_832)],
 )  # fmt: skip
 def test_new_family_recipes_fit_one_node(config, model, params):
     """Guards against shipping a Qwen3-VL, Qwen3.5 or GLM-4.1V recipe that cannot run on 8 x 80 GB: the plan, from
