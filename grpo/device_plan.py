@@ -86,15 +86,16 @@ class Settings:
     act_bytes: int = 2  # bytes an activation element: 2 in bf16 (a GPU run); 4 in fp32 (bench/bench_sp.py on CPU)
 
 
-def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0):
+def layer_elems(h, kv, i, checkpointing, fused_qkv=False, rope=0, q=0):
     """Activation elements per token of one transformer block: (kept until its backward, extra while its backward
     runs). A block's forward keeps 8h + 4kv + 4i: each RMSNorm its fp32 input and bf16 output, the projections'
     inputs, q, k, v, rotated q and k, the attention output, and the MLP's gate, up, act(gate) and product; a vision
     block also its fused qkv output (3h), a decoder layer the cos and sin it rebuilds from the mRoPE sections
     (`rope` = 2 x head_dim). Counted with saved_tensors_hooks on transformers 5.19's layers in bf16
     (tests/test_memory_plan.py). Backward adds their gradients in flight (~2h + 2i, an estimate). With
-    checkpointing only the block's input stays, and its backward first recomputes the rest."""
-    kept, grads = 8 * h + 4 * kv + 4 * i + (3 * h if fused_qkv else 0) + rope, 2 * h + 2 * i
+    checkpointing only the block's input stays, and its backward first recomputes the rest. `q`: the queries' width
+    where it is more than h (Gemma 4's full layers), whose q, rotated q and attention output are that much wider."""
+    kept, grads = 8 * h + 4 * kv + 4 * i + (3 * h if fused_qkv else 0) + rope + 3 * max(0, q - h), 2 * h + 2 * i
     return (h, kept + grads) if checkpointing else (kept, grads)
 
 
@@ -102,7 +103,7 @@ def plan_device(s: ModelShape, x: Settings) -> dict:
     """Bytes per GPU in each phase of a step, the parts of each phase in order; the sharded states, what offloading
     moves to host memory while the engine generates, and the least vLLM needs of its share."""
     n = count_params(s)
-    kv = s.kv_heads * s.dim
+    kv = s.kv_width  # (Gemma 4: its widest layer's, as every layer's activations below are its widest layer's)
     # What trains, per FSDP2 unit: every parameter (but a frozen tower's), or with LoRA the adapters alone (fp32)
     # beside the frozen base, kept in bf16 like a reference; the reference is then that base with the adapters off
     tower = 0 if x.freeze_vision else n["vision"]
@@ -156,7 +157,9 @@ def plan_device(s: ModelShape, x: Settings) -> dict:
     whole = 2 * e * x.train_tokens * s.hidden if x.sp > 1 else 0
     t, patches = math.ceil(x.train_tokens / x.sp), math.ceil(x.train_tokens / x.sp) * s.merge**2
     # (an MoE token's activations are those of its top-k experts: the MLP width it goes through)
-    lm_kept, lm_extra = layer_elems(s.hidden, kv, s.active_intermediate, x.checkpointing, rope=2 * s.dim)
+    lm_kept, lm_extra = layer_elems(
+        s.hidden, kv, s.mlp_width, x.checkpointing, rope=2 * s.widest_head, q=s.heads * s.widest_head
+    )
     vis_kept, vis_extra = layer_elems(s.vision_hidden, s.vision_hidden, s.vision_intermediate, x.checkpointing, True)
     vis_saved = 0 if frozen_tower else e * patches * vis_kept * s.vision_depth  # a frozen tower builds no graph
     lm_saved = e * t * lm_kept * s.layers
@@ -176,7 +179,7 @@ def plan_device(s: ModelShape, x: Settings) -> dict:
     # (sequence parallelism: a rank's 1/sp of the tokens, beside the whole row's merged embeddings; a teacher's too,
     # cut like the policy)
     def nograd_activations(m: ModelShape, tn: int) -> float:
-        layer = e * tn * (4 * m.hidden + 3 * m.active_intermediate)
+        layer = e * tn * (4 * m.hidden + 3 * m.mlp_width)
         tower = e * tn * m.merge**2 * (2 * m.vision_hidden + 3 * m.vision_intermediate)
         return max(layer, tower) + HEAD_CHUNK * m.vocab * 14 + e * tn * m.hidden  # + a chunk of its head, no grad
 
@@ -232,14 +235,15 @@ def plan_device(s: ModelShape, x: Settings) -> dict:
             **generating,
             "grads": 0,
             "gathered": gathered,
-            "kv cache": x.hf_rows * x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2,
+            "kv cache": x.hf_rows * x.seq_len * s.kv_cache_elems * 2,
             # generate keeps no per-step logits unless asked (output_logits / output_scores; the HF engine asks for
             # neither): one step's bf16 logits, their fp32 copy and the sampling probabilities, 10 bytes a logit
             "logits": x.hf_rows * s.vocab * 10,
             "runtime": RUNTIME,
         }
-    # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out)
-    vllm_min = 2 * n["total"] / x.tp + x.seq_len * (s.layers - s.linear_layers) * 2 * kv * 2 / x.tp
+    # its weights and one sequence's KV cache (Qwen3.5's linear layers keep a fixed-size state instead: left out;
+    # Gemma 4's sliding layers counted as if they kept the whole sequence, as vLLM keeps only their window's: more)
+    vllm_min = 2 * n["total"] / x.tp + x.seq_len * s.kv_cache_elems * 2 / x.tp
     return {
         "params": n,
         "teacher_params": nt,

@@ -67,6 +67,9 @@ class Family:
     videos: bool = True
     tools: bool = True
     sequence_parallel: bool = True
+    # LoRA's `visual.NAME` targets (lora.lora_target_regex) name modules under model.visual, Qwen's and GLM's tower:
+    # Gemma 4's is model.vision_tower, its linears inside clipping wrappers, so such a target would adapt nothing
+    tower_lora: bool = True
     # text_config keys vLLM's model of the family reads and transformers' does not, with the values the checkpoint's
     # weights need there: GLM-4.1V's q/k/v have biases in transformers whatever the config says, in vLLM only with
     # attention_bias true (its config.json says so); without it vLLM would load and sync the model without them.
@@ -98,6 +101,7 @@ _GEMMA4 = dict(
     videos=False,
     tools=False,
     sequence_parallel=False,
+    tower_lora=False,
 )
 FAMILIES = {
     "qwen2_5_vl": Family(tower_and_layers, 28),
@@ -125,7 +129,7 @@ def unsupported_type(model_type) -> str | None:
 
 
 def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_videos_per_prompt: int = 0,
-            engine: str = "hf", text_config=None) -> str | None:  # fmt: skip
+            engine: str = "hf", text_config=None, lora_targets=()) -> str | None:  # fmt: skip
     """Why a run with these settings cannot train a model_type checkpoint here (the first setting its family cannot
     run yet, named by its key), or None. Asked at start, before anything loads: the dry run's and the run's, and
     again once the data's videos are counted (rollout.max_videos_per_prompt at -1 becomes the data's most).
@@ -143,10 +147,15 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
     sp, videos = sequence_parallel_size, max_videos_per_prompt
     asks = (("actor.sequence_parallel_size", sp, sp > 1, fam.sequence_parallel),
             ("rollout.tools", list(tools), bool(tools), fam.tools),
-            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos))  # fmt: skip
+            ("rollout.max_videos_per_prompt", videos, videos > 0, fam.videos),
+            ("actor.lora_target_modules", list(lora_targets), any(t.startswith("visual.") for t in lora_targets),
+             fam.tower_lora))  # fmt: skip
     for key, value, on, can in asks:
         if on and not can:
-            what = "videos (data.video_key)" if key.endswith("videos_per_prompt") else key
+            what = {
+                "rollout.max_videos_per_prompt": "videos (data.video_key)",
+                "actor.lora_target_modules": "adapters in its vision tower (visual.NAME)",
+            }.get(key, key)
             return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
     return None
 

@@ -30,14 +30,14 @@ def plan_host(s: ModelShape, x: Settings) -> dict:
     copied = sleeps and sleep_backs_up_pools(x.vllm_version)
     pools = {"runtime": vllm_runtime_pool(s, x) if copied else [], "cudagraph": []}
     # host memory per rank while loading: this rank's policy shard (fp32; with LoRA a bf16 base) and bf16 reference
-    # shard, read through a buffer of up to the largest tensor (the embedding, bf16), beside vLLM's level-1 sleep copy
-    # (pinned, bf16, its TP slice, each block a power of two), which the engine made before the trainer's model
-    # loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep keeps only the buffers),
-    # and the pools vLLM 0.32+ copies at every level, the same way
+    # shard, read through a buffer of up to the largest tensor (the embedding or Gemma 4's per-layer table, bf16),
+    # beside vLLM's level-1 sleep copy (pinned, bf16, its TP slice, each block a power of two), which the engine made
+    # before the trainer's model loads and which torch's pinned allocator keeps cached from then on (a level-2 sleep
+    # keeps only the buffers), and the pools vLLM 0.32+ copies at every level, the same way
     host = {
         "policy": (2 * n["total"] + 4 * adapters if x.lora_rank else x.master_bytes * n["total"]) / x.world,
         "reference": 2 * n["total"] / x.world if reference else 0,
-        "read buffer": 2 * max(s.vocab * s.hidden, x.teacher.vocab * x.teacher.hidden if nt else 0),
+        "read buffer": 2 * max(s.largest_table, x.teacher.largest_table if nt else 0),
         "vllm sleep copy": vllm_sleep_copy(s, x.tp) if with_vllm and x.sleep_level == 1 else 0,
         "vllm sleep pools": sum(pinned_block(n) for n in pools["runtime"] + pools["cudagraph"]),
     }

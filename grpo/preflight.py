@@ -101,9 +101,9 @@ def family_refusal(cfg) -> str | None:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    r = cfg.rollout
-    return families.refusal(config.model_type, cfg.actor.sequence_parallel_size, r.tools, r.max_videos_per_prompt,
-                            r.engine, config.get_text_config())  # fmt: skip
+    r, a = cfg.rollout, cfg.actor
+    return families.refusal(config.model_type, a.sequence_parallel_size, r.tools, r.max_videos_per_prompt, r.engine,
+                            config.get_text_config(), a.lora_target_modules if a.lora_rank else ())  # fmt: skip
 
 
 def attention_heads(path) -> int | None:
@@ -141,8 +141,9 @@ def tensor_parallel_problem(path, tp: int) -> str | None:
     for n, what in counts:
         if n % tp:
             return f"{n} {what}"
-    if s.kv_heads % tp and tp % s.kv_heads:  # fewer KV heads than ranks are replicated, tp a multiple of them
-        return f"{s.kv_heads} KV heads"
+    for kv in (s.kv_heads, s.global_kv_heads or s.kv_heads):  # (Gemma 4's full layers have their own)
+        if kv % tp and tp % kv:  # fewer KV heads than ranks are replicated, tp a multiple of them
+            return f"{kv} KV heads"
     return None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from grpo.model_shape import ModelShape, count_params, decoder_linears, tower_linears
+from grpo.model_shape import ModelShape, count_params, decoder_linears, gemma_layers, tower_linears
 
 
 def pinned_block(n: int) -> int:
@@ -47,6 +47,8 @@ def vllm_tensors(s: ModelShape) -> list[int]:
     fused = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z"),
              ("in_proj_b", "in_proj_a")]  # fmt: skip
     out = [s.vocab * s.hidden] * (1 if s.tied else 2)
+    if s.per_layer_hidden:  # Gemma 4's per-layer inputs: their embedding table and the projection into them
+        out += [s.per_layer_vocab * s.layers * s.per_layer_hidden, s.hidden * s.layers * s.per_layer_hidden]
     for layer in decoder_linears(s):
         alone = set(layer) - {name for group in fused if set(group) <= set(layer) for name in group}
         out += [sum(layer[g][0] * layer[g][1] for g in group) for group in fused if set(group) <= set(layer)]
@@ -105,7 +107,11 @@ def vllm_runtime_pool(s: ModelShape, x) -> list[int]:
     sequence). A hybrid model's layers go in groups of as many as it has full-attention layers, each counted as full
     attention (its linear groups' tables are one block a row): an upper bound. A few MiB: everything fits in 2 MiB
     segments unless max_num_seqs x max_model_len is in the millions."""
-    groups = 1 + (-(-s.linear_layers // (s.layers - s.linear_layers)) if s.linear_layers else 0)
+    other, full = s.linear_layers, s.layers - s.linear_layers
+    if s.family == "gemma4":  # its sliding layers likewise, beside its full ones (kv-shared layers keep no cache)
+        own = [is_full for is_full, shared, *_ in gemma_layers(s) if not shared]
+        other, full = own.count(False), own.count(True)
+    groups = 1 + (-(-other // full) if other else 0)
     table = 4 * x.max_num_seqs * -(-x.seq_len // VLLM_BLOCK)
     per_group = [table, 8 * max(VLLM_BATCHED_TOKENS, x.seq_len), 64 * 2**10]
     return pool_segments(per_group * groups + [4 * x.max_num_seqs] * 6)
@@ -116,6 +122,7 @@ def reload_peak(s: ModelShape, tp: int) -> float:
     0.26-0.33) keeps every tensor the sync sends a layer (full, bf16) until the layer has them all, then materialises
     the layer's own copy (its TP slice) to load them into, before copying that into the weights in place: the largest
     layer's bf16 weights, once whole and once split. A fused-MoE layer is all its experts, though they come one at a
-    time (1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B); a dense model's largest is its embedding."""
-    largest = max(s.vocab * s.hidden, 3 * s.experts * s.hidden * s.expert_intermediate, 2 * s.hidden * s.intermediate)
+    time (1.2 GB for Qwen3-VL-30B-A3B, 1.6 GB for Qwen3.5-35B-A3B); a dense model's largest is its embedding (Gemma
+    4 E2B's and E4B's their per-layer inputs' table)."""
+    largest = max(s.largest_table, 3 * s.experts * s.hidden * s.expert_intermediate, 2 * s.hidden * s.intermediate)
     return 2 * largest * (1 + 1 / tp)

@@ -648,8 +648,9 @@ def test_gemma4_soft_token_budget_is_data_max_soft_tokens(tiny_family_dir, tmp_p
 
 def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tmp_path, capsys, monkeypatch):
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
-    yet: sequence parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its
-    key, before anything loads."""
+    yet: sequence parallelism, tool turns, videos, LoRA in its vision tower. Each stops the dry run in one line naming
+    its key, before anything loads; otherwise the dry run plans (the memory plan counts the family) and passes, with
+    either engine, packed or padded."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -664,23 +665,23 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         out = capsys.readouterr()
         return code, out.out + out.err
 
-    unpacked = (
-        "actor.padding_free=false",
-        "actor.shared_prefix=false",
-        "actor.max_tokens_per_micro_batch=0",
-        "actor.max_tokens_per_micro_batch_no_grad=0",
-    )
     asks = [
         (("actor.sequence_parallel_size=2",), "actor.sequence_parallel_size=2: a gemma4 model cannot"),
         (("rollout.tools=[grpo/tools.py:crop]",), "rollout.tools=['grpo/tools.py:crop']: a gemma4 model cannot"),
         (("rollout.max_videos_per_prompt=1",), "rollout.max_videos_per_prompt=1: a gemma4 model cannot"),
-        # what a CPU run goes on without (test_gemma4_trains_on_two_ranks), a dry run plans
-        ((*unpacked, "rollout.engine=hf"), "the memory plan does not count a gemma4 model yet"),
-        ((*unpacked, "rollout.engine=vllm"), "the memory plan does not count a gemma4 model yet"),
+        (
+            ("actor.lora_rank=8", "actor.lora_target_modules=[q_proj,visual.q_proj]"),
+            "actor.lora_target_modules=['q_proj', 'visual.q_proj']: a gemma4 model cannot train with adapters in its "
+            "vision tower",
+        ),
     ]
     for overrides, refusal in asks:
         code, out = dry_run(*overrides)
         assert code != 0 and refusal in out, (overrides, out)
+    # packed or padded, either engine: the plan counts the family, and every check passes
+    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", "actor.padding_free=false")):
+        code, out = dry_run(*overrides)
+        assert code == 0 and "memory plan, GiB per GPU" in out and "-> fits" in out, (overrides, out)
 
 
 def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir):

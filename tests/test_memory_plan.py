@@ -88,6 +88,7 @@ def test_experts_are_all_stored_and_top_k_active(tiny_family_dir, family):
 def transformers_config(s):
     """The transformers config of a ModelShape: what a checkpoint of that shape would carry in its config.json."""
     from transformers import (
+        Gemma4Config,
         Glm4vConfig,
         Qwen2_5_VLConfig,
         Qwen3_5Config,
@@ -98,6 +99,8 @@ def transformers_config(s):
 
     text = dict(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=s.layers,
                 num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, vocab_size=s.vocab)  # fmt: skip
+    if s.family == "gemma4":
+        return Gemma4Config(**gemma4_config(s), tie_word_embeddings=s.tied)
     if s.experts:
         text.update(num_experts=s.experts, num_experts_per_tok=s.experts_per_token,
                     moe_intermediate_size=s.expert_intermediate)  # fmt: skip
@@ -125,6 +128,50 @@ def transformers_config(s):
     return config_class(text_config={**text, **linear}, vision_config=vision, tie_word_embeddings=s.tied)
 
 
+def gemma4_config(s):
+    """Gemma 4's text, vision and audio configs of a ModelShape, in the hub's config.json names."""
+    text = dict(
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        vocab_size=s.vocab,
+        head_dim=s.head_dim,
+        global_head_dim=s.global_head_dim,
+        attention_k_eq_v=s.k_eq_v,
+        num_global_key_value_heads=s.global_kv_heads if s.k_eq_v else None,
+        num_kv_shared_layers=s.kv_shared_layers,
+        use_double_wide_mlp=s.double_wide,
+        hidden_size_per_layer_input=s.per_layer_hidden,
+        vocab_size_per_layer_input=s.per_layer_vocab or s.vocab,
+        layer_types=["full_attention" if i in s.full_layers else "sliding_attention" for i in range(s.layers)],
+    )
+    vision = dict(
+        hidden_size=s.vision_hidden,
+        intermediate_size=s.vision_intermediate,
+        num_hidden_layers=s.vision_depth,
+        num_attention_heads=s.vision_hidden // s.vision_head_dim,
+        num_key_value_heads=s.vision_hidden // s.vision_head_dim,
+        head_dim=s.vision_head_dim,
+        patch_size=s.patch,
+        pooling_kernel_size=s.merge,
+        position_embedding_size=s.vision_positions,
+    )
+    audio = dict(hidden_size=s.audio_hidden, num_hidden_layers=s.audio_layers, num_attention_heads=s.audio_heads,
+                 output_proj_dims=s.audio_out, conv_kernel_size=s.audio_conv,
+                 subsampling_conv_channels=list(s.audio_channels))  # fmt: skip
+    return dict(text_config=text, vision_config=vision, audio_config=audio if s.audio_layers else None)
+
+
+def vision_units(model):
+    """The vision tower's parameters: model.visual, or Gemma 4's tower and its projection into the text model (two
+    FSDP2 units, frozen together)."""
+    if model.config.model_type == "gemma4":
+        return [*model.model.vision_tower.parameters(), *model.model.embed_vision.parameters()]
+    return list(model.model.visual.parameters())
+
+
 @pytest.mark.parametrize("name", list(KNOWN_SHAPES))
 def test_count_equals_transformers_for_the_known_sizes(name):
     """Guards against the counter being right for the tiny model only (tied embeddings in 3B, GQA widths, Qwen3-VL's
@@ -142,7 +189,7 @@ def test_count_equals_transformers_for_the_known_sizes(name):
     assert counts["total"] == numel(model)
     assert counts["layer"] == max(numel(layer) for layer in layers)
     assert counts["layers"] == numel(layers)
-    assert counts["vision"] == numel(model.model.visual)
+    assert counts["vision"] == sum(p.numel() for p in vision_units(model))
     # and what a checkpoint's config.json says of the shape is the shape
     assert shape_from_config(transformers_config(s).to_dict()) == s
 
@@ -213,6 +260,100 @@ def test_glm4v_count_and_lora_count_equal_transformers(tiny_family_dir, tiny):
         adapters(model.model.visual),
         adapters(model.lm_head),
     )
+
+
+# Gemma 4's published config.json numbers (google/gemma-4-E2B-it, -E4B-it, -31B-it; the audio towers are
+# transformers' Gemma4AudioConfig defaults, as the E2B's and E4B's files give them), written out here rather than
+# taken from KNOWN_SHAPES, so that the embedded shapes are checked against them
+_GEMMA_SMALL_TOWER = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+                          num_key_value_heads=12, head_dim=64, patch_size=16, pooling_kernel_size=3,
+                          position_embedding_size=10240, use_clipped_linears=True)  # fmt: skip
+_GEMMA_AUDIO = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, output_proj_dims=1536,
+                    conv_kernel_size=5, subsampling_conv_channels=[128, 32])  # fmt: skip
+GEMMA4_CONFIGS = {
+    "google/gemma-4-E2B-it": dict(
+        text_config=dict(hidden_size=1536, intermediate_size=6144, num_hidden_layers=35, num_attention_heads=8,
+                         num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+                         vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=20,
+                         use_double_wide_mlp=True, attention_k_eq_v=False, num_global_key_value_heads=None,
+                         sliding_window=512, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7),
+        vision_config=_GEMMA_SMALL_TOWER, audio_config=_GEMMA_AUDIO),
+    "google/gemma-4-E4B-it": dict(
+        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, global_head_dim=512, vocab_size=262144,
+                         vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, num_kv_shared_layers=18,
+                         use_double_wide_mlp=False, attention_k_eq_v=False, num_global_key_value_heads=None,
+                         sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7),
+        vision_config=_GEMMA_SMALL_TOWER, audio_config=_GEMMA_AUDIO),
+    "google/gemma-4-31B-it": dict(
+        text_config=dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60, num_attention_heads=32,
+                         num_key_value_heads=16, head_dim=256, global_head_dim=512, vocab_size=262144,
+                         vocab_size_per_layer_input=262144, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                         use_double_wide_mlp=False, attention_k_eq_v=True, num_global_key_value_heads=4,
+                         sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           num_key_value_heads=16, head_dim=72, patch_size=16, pooling_kernel_size=3,
+                           position_embedding_size=10240, standardize=True, use_clipped_linears=False),
+        audio_config=None),
+}  # fmt: skip
+GEMMA4_TOTALS = {"google/gemma-4-E2B-it": 5_104_297_504, "google/gemma-4-E4B-it": 7_941_100_832,
+                 "google/gemma-4-31B-it": 31_273_086_512}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["tiny", *GEMMA4_CONFIGS])
+def test_gemma4_count_and_lora_count_equal_transformers(tiny_family_dir, name):
+    """Guards against planning Gemma 4 as one width of layer: its sliding and full layers (the full ones' wider
+    heads, 31B's own KV heads and no v_proj), the kv-shared layers without k/v projections or norms and E2B's
+    double-wide MLP on them, every layer's per-layer-input gate and projection, the root's per-layer embedding table
+    and projection and the audio tower, a tower with learned x/y positions and its projection into the text model.
+    The tiny model's config.json and the published E2B, E4B and 31B configs, built on the meta device, have exactly
+    the counted parameters per FSDP2 unit (the largest decoder layer: layers differ), and LoRA on them exactly the
+    counted adapters; the hub ids' embedded shapes are those configs'."""
+    from transformers import AutoModelForImageTextToText, Gemma4Config
+
+    from grpo import lora
+
+    if name == "tiny":
+        config = Gemma4Config.from_pretrained(tiny_family_dir("gemma4"))
+    else:
+        config = Gemma4Config(**GEMMA4_CONFIGS[name], tie_word_embeddings=True)
+    s = shape_from_config(config.to_dict())
+    if name != "tiny":  # what the recipes' dry runs plan with, and the published totals
+        assert KNOWN_SHAPES[name] == s and count_params(s)["total"] == GEMMA4_TOTALS[name]
+    else:  # the tiny model's file (transformers 5.19 writes per_layer_config, the hub global_head_dim) reads the same
+        with open(f"{tiny_family_dir('gemma4')}/config.json") as f:
+            assert shape_from_config(json.load(f)) == s and s.kv_shared_layers and s.double_wide
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    counts, layers = count_params(s), model.model.language_model.layers
+    vision = sum(p.numel() for p in vision_units(model))
+    assert (counts["total"], counts["vision"], counts["layers"]) == (numel(model), vision, numel(layers))
+    assert counts["layer"] == max(numel(layer) for layer in layers)
+    assert counts["root"] == numel(model) - vision - numel(layers)
+    assert len({numel(layer) for layer in layers}) > 1  # (the layers do differ)
+    # LoRA: the default targets and the per-layer input's; `visual.` names a model.visual tower, which Gemma has not
+    targets = [*DEFAULT_TARGETS, "per_layer_input_gate", "per_layer_projection", "visual.q_proj"]
+    lora.add_lora(model, lora.lora_config(ActorConfig(lora_rank=8, lora_target_modules=targets)))
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters("m") if lora.is_lora_factor(n))  # noqa: E731
+    planned = model_shape.lora_params(s, 8, targets)
+    assert (planned["total"], planned["layer"], planned["vision"], planned["root"]) == (
+        adapters(model),
+        max(adapters(layer) for layer in layers),
+        adapters(model.model.vision_tower) + adapters(model.model.embed_vision),
+        adapters(model.lm_head),
+    )
+    assert planned["total"] > 0
+
+
+def test_gemma4_mixture_of_experts_is_refused_by_the_plan(tmp_path):
+    """Guards against planning Gemma 4 26B-A4B (enable_moe_block) as a dense model: its experts are not counted,
+    and its config.json stops the plan with a PlanError naming the key."""
+    config = json.loads(json.dumps(GEMMA4_CONFIGS["google/gemma-4-31B-it"]))
+    config["text_config"].update(enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", **config}))
+    with pytest.raises(PlanError, match="enable_moe_block"):
+        model_shape.read_model_shape(str(tmp_path))
 
 
 # The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
@@ -356,7 +497,8 @@ def test_geo3k_plans_term_by_term(config, hand):
     "config, model, params",
     [("configs/qwen3_vl_8b_geo3k.yaml", "Qwen/Qwen3-VL-8B-Instruct", 8_767_123_696),
      ("configs/qwen3_5_9b_geo3k.yaml", "Qwen/Qwen3.5-9B", 9_409_813_744),
-     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472)],
+     ("configs/glm4v_9b_geo3k.yaml", "zai-org/GLM-4.1V-9B-Thinking", 10_292_777_472),
+     ("configs/gemma4_geo3k.yaml", "google/gemma-4-E4B-it", 7_941_100_832)],
 )  # fmt: skip
 def test_new_family_recipes_fit_one_node(config, model, params):
     """Guards against shipping a Qwen3-VL, Qwen3.5 or GLM-4.1V recipe that cannot run on 8 x 80 GB: the plan, from
