@@ -679,7 +679,12 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         code, out = dry_run(*overrides)
         assert code != 0 and refusal in out, (overrides, out)
     # packed or padded, either engine: the plan counts the family, and every check passes
-    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", "actor.padding_free=false")):
+    padded = (
+        "actor.padding_free=false",
+        "actor.max_tokens_per_micro_batch=0",
+        "actor.max_tokens_per_micro_batch_no_grad=0",
+    )
+    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", *padded)):
         code, out = dry_run(*overrides)
         assert code == 0 and "memory plan, GiB per GPU" in out and "-> fits" in out, (overrides, out)
 
