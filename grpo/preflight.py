@@ -102,8 +102,22 @@ def family_refusal(cfg) -> str | None:
 
     config = AutoConfig.from_pretrained(path)
     r, a = cfg.rollout, cfg.actor
-    return families.refusal(config.model_type, a.sequence_parallel_size, r.tools, r.max_videos_per_prompt, r.engine,
-                            config.get_text_config(), a.lora_target_modules if a.lora_rank else ())  # fmt: skip
+    text_config = config.get_text_config()
+    refused = families.refusal(config.model_type, a.sequence_parallel_size, r.tools, r.max_videos_per_prompt,
+                               r.engine, text_config, a.lora_target_modules if a.lora_rank else ())  # fmt: skip
+    if refused or r.engine != "vllm" or not getattr(text_config, "is_heterogeneous", False):
+        return refused
+    try:
+        import vllm
+
+        from grpo.vllm_compat import reads_per_layer_configs
+    except ImportError:  # no vLLM here: the engine's own start says so
+        return None
+    if not reads_per_layer_configs():
+        return (f"rollout.engine=vllm: vLLM {vllm.__version__} cannot read a {config.model_type} config, whose layers "
+                "differ (transformers keeps head_dim per layer), and its engine would not start: vLLM 0.32 or 0.33 "
+                "reads it, or rollout.engine=hf")  # fmt: skip
+    return None
 
 
 def attention_heads(path) -> int | None:

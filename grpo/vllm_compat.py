@@ -169,6 +169,17 @@ def v2_only_capture() -> bool:
     return hasattr(vllm.config, "AuxOutputConfig")
 
 
+def reads_per_layer_configs() -> bool:
+    """Whether the installed vLLM reads a config whose layers differ (transformers' heterogeneous configs: Gemma 4's
+    head_dim is its sliding layers', global_head_dim its full layers', kept per layer). vLLM 0.32/0.33 ask for the
+    per-layer configs (ModelArchConfigConvertorBase.get_per_layer_hf_configs); vLLM 0.26 reads text_config.head_dim,
+    which such a config refuses (AmbiguousGlobalPerLayerAttributeError), and its engine does not start."""
+    import vllm.config  # noqa: F401  (first: the convertor's module imports it back, a cycle when imported alone)
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+    return hasattr(ModelArchConfigConvertorBase, "get_per_layer_hf_configs")
+
+
 def budget_reads_modality_kwargs() -> bool:
     """Whether the installed vLLM's Qwen-VL token-budget estimate (the largest image or video it profiles memory for
     and sizes the encoder cache by) reads per-modality `images_kwargs`/`videos_kwargs` in mm_processor_kwargs: vLLM

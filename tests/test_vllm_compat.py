@@ -434,6 +434,40 @@ def test_budget_estimate_reading_per_modality_kwargs_is_detected(monkeypatch):
         assert vllm_compat.budget_reads_modality_kwargs() is want
 
 
+def test_a_config_whose_layers_differ_is_refused_where_vllm_cannot_read_it(tiny_family_dir, tmp_path, capsys):
+    """Guards against a Gemma 4 run on vLLM 0.26 that passes its dry run and dies at the engine's start: its config
+    keeps head_dim per layer (sliding and full layers differ), which 0.26's config reader asks for globally
+    (AmbiguousGlobalPerLayerAttributeError). Held against the installed vLLM's own reader: where it raises on the
+    tiny model's config, the detection says so and the dry run refuses rollout.engine=vllm naming it; where it reads
+    it, both pass. The HF engine needs no such reader."""
+    import vllm.config  # noqa: F401  (before the convertor's module, which imports it back)
+    from transformers import AutoConfig
+    from vllm.transformers_utils.model_arch_config_convertor import MODEL_ARCH_CONFIG_CONVERTORS
+
+    import train_grpo
+    from scripts.make_synthetic_data import make_geo3k_like
+
+    path = tiny_family_dir("gemma4")
+    config = AutoConfig.from_pretrained(path)
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS["gemma4"](config, config.get_text_config())
+    try:
+        convertor.convert()  # what the engine's ModelConfig does at start (0.26's takes no argument)
+        reads = True
+    except Exception as e:  # 0.26: the config's per-layer head_dim, asked for globally
+        assert "per-layer" in str(e), e
+        reads = False
+    assert vllm_compat.reads_per_layer_configs() is reads is (VLLM >= (0, 32))
+    rows = make_geo3k_like(str(tmp_path / "rows.parquet"), n_rows=32, seed=0)
+    for engine in ("vllm", "hf"):
+        code = train_grpo.main(["configs/tiny.yaml", f"actor.model_path={path}", f"data.train_files={rows}",
+                                "data.val_files=", f"rollout.engine={engine}", "--dry-run"])  # fmt: skip
+        out = capsys.readouterr()
+        refused = (
+            "rollout.engine=vllm: vLLM" in out.out + out.err and "cannot read a gemma4 config" in out.out + out.err
+        )
+        assert refused == (engine == "vllm" and not reads) and (code == 0) == (not refused), (engine, out)
+
+
 def test_video_processor_arguments_scoped_or_flat_as_each_version_takes_them(monkeypatch):
     """Guards against "Keyword argument do_sample_frames was passed two times" at vLLM 0.26's engine start with a
     Qwen3-VL or Qwen3.5 video run (its processor adds a flat do_sample_frames unless one is there), and against
