@@ -104,7 +104,9 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4", "gemma4_moe"]
+)
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
@@ -487,20 +489,23 @@ def _gemma4_batch(processor):
     return prompts, responses
 
 
-@pytest.mark.parametrize("cap", [None, 0.5])
-def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap):
+@pytest.mark.parametrize("family, cap", [("gemma4", None), ("gemma4", 0.5), ("gemma4_moe", None)])
+def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, family, cap):
     """Guards against the trainer's log-prob head leaving out Gemma 4's final logit soft-capping, or capping the
     log-probs it returns (the model's forward caps whatever its LM head gives), and against the padded batch
     (left-padded prompts, per-layer input embeddings from the ids, the image's soft tokens, a sliding window) giving
     other log-probs than transformers' own forward of each sequence alone: log_softmax of its logits / temperature.
     At the checkpoint's cap (30) and at 0.5, where capping moves every logit. The reference runs transformers' own
     sdpa: the trainer's sdpa_packed takes one unmasked row for a packed one and drops the sliding window (hence no
-    padding_free for the family)."""
+    padding_free for the family). The mixture of experts (26B-A4B's block beside each MLP) loads as an MoE: its
+    experts computed by the experts_implementation the trainer picks for the device (the loop on CPU)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = tiny_family_dir("gemma4")
+    path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    if family == "gemma4_moe":
+        assert families.family(model).moe and model.model.language_model.config._experts_implementation == "eager"
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if cap is not None:
         model.config.text_config.final_logit_softcapping = cap
@@ -538,7 +543,8 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
     yet: packed rows (the packed attention has no sliding window: measured 1.26 off on the tiny model), sequence
     parallelism, tool turns, videos, and a memory plan. Each stops the dry run in one line naming its key, before
-    anything loads."""
+    anything loads. Of the mixture of experts: the load-balancing loss and routing replay, whose router hooks are
+    Qwen's (they would find no router, or read Gemma's probabilities as logits)."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -568,28 +574,35 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         ((*unpacked, "rollout.engine=hf"), "the memory plan does not count a gemma4 model yet"),
         ((*unpacked, "rollout.engine=vllm"), "the memory plan does not count a gemma4 model yet"),
     ]
+    moe = (f"actor.model_path={tiny_family_dir('gemma4_moe')}", *unpacked)
+    for ask in ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"):
+        asks.append(((*moe, ask), "routed experts; Gemma 4's routers (a norm of their own, probabilities out"))
     for overrides, refusal in asks:
         code, out = dry_run(*overrides)
         assert code != 0 and refusal in out, (overrides, out)
 
 
-def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir):
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir, family):
     """What the trainer's vLLM engine would need of vLLM 0.32's gemma4_mm, held before the engine takes the family:
     it loads the tiny model (its vision_config's default_output_length, which transformers' class lacks, sizes its
     encoder budget), takes the trainer's parameters under transformers' in-memory names (tied LM head, per-layer
     embeddings, the tower and its projection; reload_weights, as vllm_engine.sync_weights sends them), and its
     log-probs of its own samples, with the family's vision tokens forbidden, then equal the trainer's padded forward
-    (soft-capped logits, text and image rows, fp32): 1e-4. Before the sync the perturbed trainer is far from it."""
+    (soft-capped logits, text and image rows, fp32): 1e-4. Before the sync the perturbed trainer is far from it.
+    The mixture of experts: its routers (scale, per-expert scale) and experts, sent one expert at a time under the
+    per-expert names vLLM's fused-MoE loader takes, its CPU kernels forgotten first (without that, the reloaded
+    experts were read as if prepacked: 0.56 off)."""
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "tests/gemma4_vllm_check.py", tiny_family_dir("gemma4")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "tests/gemma4_vllm_check.py", tiny_family_dir(family)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gaps = json.loads(proc.stdout.strip().splitlines()[-1])
     before, text, image = gaps["before"], gaps["text"], gaps["image"]
-    print(f"gemma4: vLLM vs trainer after a sync: text {text:.1e}, image {image:.1e}; before it {min(before):.2f}")
+    print(f"{family}: vLLM vs trainer after a sync: text {text:.1e}, image {image:.1e}; before it {min(before):.2f}")
     assert min(before) > 0.1 and text <= 1e-4 and image <= 1e-4, (before, text, image)
 
 
