@@ -8,7 +8,7 @@ loading.unsupported_model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -116,6 +116,7 @@ FAMILIES = {
     # Gemma 4 (dense: E2B, E4B, 31B): a SigLIP-style tower (model.model.vision_tower) whose 16 px patches pool 3 x 3
     # into soft tokens (48 px each), 1-D positions, sliding-window layers, logits soft-capped (logprobs.soft_capped).
     # Packed rows keep its sliding windows and, where its config asks, its images' bidirectional blocks (attention.py).
+    # Its mixture of experts (26B-A4B) has the same model_type: of_config gives it moe=True.
     "gemma4": Family(gemma_tower_and_layers, 48, **_GEMMA4),
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -160,9 +161,32 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
     return None
 
 
+def of_config(config) -> Family:
+    """The Family of a model's config: its model_type's, with moe=True for Gemma 4's mixture of experts, which the
+    dense models' model_type names too (its text config's enable_moe_block puts routed experts beside each layer's
+    MLP). Its routers are not Qwen's (experts_problem)."""
+    fam = FAMILIES[config.model_type]
+    if getattr(config.get_text_config(), "enable_moe_block", False):
+        return replace(fam, moe=True)
+    return fam
+
+
+def experts_problem(model_type: str, text_config: dict, needs: str) -> str | None:
+    """Why a run cannot have what `needs` asks of routed experts on a checkpoint of this model_type and text config
+    (config.json's), or None; `needs` is the config key and what it does ("actor.router_aux_loss_coef balances").
+    moe.py's routers are Qwen's (`mlp.gate`, returning logits): Gemma 4's (`router`) return probabilities and scale
+    each expert's weight, which the load-balancing loss and routing replay do not know yet."""
+    if FAMILIES[model_type].moe:
+        return None
+    if text_config.get("enable_moe_block"):
+        return (f"{needs} routed experts; Gemma 4's routers (a norm of their own, probabilities out, a per-expert "
+                "scale on the weights) are not yet ones the trainer hooks (docs/families.md)")  # fmt: skip
+    return f"{needs} routed experts; a {model_type} model has none"
+
+
 def family(model) -> Family:
-    """The Family of a loaded model (by its config's model_type)."""
-    return FAMILIES[model.config.model_type]
+    """The Family of a loaded model (by its config: of_config)."""
+    return of_config(model.config)
 
 
 def family_of(path: str) -> Family:
@@ -170,11 +194,11 @@ def family_of(path: str) -> Family:
     the rollout engines. An unsupported model_type stops here too."""
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(path).model_type
-    problem = unsupported_type(model_type)
+    config = AutoConfig.from_pretrained(path)
+    problem = unsupported_type(config.model_type)
     if problem:
         raise ValueError(f"{path}: {problem}")
-    return FAMILIES[model_type]
+    return of_config(config)
 
 
 def processor_problem(path: str, want: int) -> str | None:

@@ -22,7 +22,7 @@ import torch
 
 from grpo import moe, sequence_parallel
 from grpo.attention import resolve_attention, use_varlen_in_vision_tower
-from grpo.families import FAMILIES, SUPPORTED_MODEL_TYPES, family, processor_problem, unsupported_type
+from grpo.families import SUPPORTED_MODEL_TYPES, experts_problem, family, processor_problem, unsupported_type
 from grpo.linear_attention import use_packed_forward
 from grpo.logprobs import (
     add_vision_dummy,
@@ -53,10 +53,11 @@ def unsupported_model(path: str, needs_experts: str | None = None) -> str | None
     if not os.path.exists(config_file):
         return "no config.json: not a Hugging Face model directory"
     with open(config_file) as f:
-        model_type = json.load(f).get("model_type")
+        config = json.load(f)
+    model_type = config.get("model_type")
     problem = unsupported_type(model_type)
-    if not problem and needs_experts and not FAMILIES[model_type].moe:
-        problem = f"{needs_experts} routed experts; a {model_type} model has none"
+    if not problem and needs_experts:
+        problem = experts_problem(model_type, config.get("text_config", config), needs_experts)
     if problem or not os.path.isdir(path):
         return problem
     from transformers import AutoModelForImageTextToText

@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE): where their experts lie in a checkpoint, and how they
-compute.
+"""Mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE; Gemma 4's 26B-A4B for its experts, whose routers the hooks
+below do not know yet: families.experts_problem): where their experts lie in a checkpoint, and how they compute.
 
 transformers 5 holds a layer's routed experts as two 3-D parameters, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I), E the number of experts; FSDP2 shards their dim 0, so a rank holds whole experts.
@@ -146,7 +146,8 @@ def describe(model) -> str:
     """One log line: the experts' shape and how they compute."""
     c = model.config.get_text_config()
     impl = model.model.language_model.config._experts_implementation
-    return (f"experts: {c.num_experts} a layer, top-{c.num_experts_per_tok} routed, intermediate "
+    top_k = getattr(c, "num_experts_per_tok", None) or c.top_k_experts  # (Gemma 4 names it top_k_experts)
+    return (f"experts: {c.num_experts} a layer, top-{top_k} routed, intermediate "
             f"{c.moe_intermediate_size}; forward {impl} (transformers' experts_implementation)")  # fmt: skip
 
 

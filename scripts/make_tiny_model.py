@@ -9,10 +9,11 @@ Qwen3.5's with its shared expert), glm4v (GLM-4.1V: its own tokenizer, special t
 tower with learned position embeddings and a conv downsample before its merger, partial rotary mRoPE) and gemma4
 (Gemma 4 E2B shrunk: its own tokenizer class, special tokens and chat template, sliding-window and full-attention
 layers, shared keys and values, per-layer input embeddings, soft-capped logits, a tower pooling patches into soft
-tokens).
+tokens), and gemma4_moe (the same with 26B-A4B's experts beside each layer's MLP: 4 experts, top-2).
 
 Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N]
-       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe|glm4v|gemma4] [--tools] [--digit-logit X]
+       [--family qwen2_5_vl|qwen3_vl|qwen3_5|qwen3_vl_moe|qwen3_5_moe|glm4v|gemma4|gemma4_moe]
+       [--tools] [--digit-logit X]
 """
 
 from __future__ import annotations
@@ -696,12 +697,15 @@ def build_gemma4_processor(tokenizer) -> Gemma4Processor:
     )
 
 
-def build_gemma4_config(tokenizer) -> Gemma4Config:
+def build_gemma4_config(tokenizer, moe: bool = False) -> Gemma4Config:
     """Gemma 4 E2B's shape shrunk: sliding-window and full-attention layers (wider heads on the full ones, rotary on
     a quarter of them), the last layers reusing earlier layers' keys and values (num_kv_shared_layers) with the
     double-wide MLP, per-layer input embeddings (hidden_size_per_layer_input), tied embeddings, logits soft-capped
     at 30, no bidirectional image attention (use_bidirectional_attention unset, as E2B's); a SigLIP-style tower
-    pooling 3 x 3 patches into a soft token, its linears clipped. No audio tower (the trainer sends no audio)."""
+    pooling 3 x 3 patches into a soft token, its linears clipped. No audio tower (the trainer sends no audio).
+    With `moe`, every layer has 26B-A4B's mixture of experts beside its MLP (enable_moe_block: a router of its own
+    and 4 routed experts, top-2, their outputs added to the MLP's), on E2B's other parts: the trainer's MoE code
+    meets E2B's per-layer embeddings and shared keys and values, which 26B-A4B has not."""
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in GEMMA_SPECIAL_TOKENS}
     special = dict(pad_token_id=ids["<pad>"], eos_token_id=ids["<eos>"], bos_token_id=ids["<bos>"])
     text_config = dict(
@@ -726,6 +730,8 @@ def build_gemma4_config(tokenizer) -> Gemma4Config:
         max_position_embeddings=32768,
         **special,
     )
+    if moe:
+        text_config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=64)
     vision_config = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -777,11 +783,14 @@ FAMILIES = {
                     Qwen3_5MoeForConditionalGeneration),
     "glm4v": (PreTrainedTokenizerFast, build_glm4v_processor, build_glm4v_config, Glm4vForConditionalGeneration),
     "gemma4": (GemmaTokenizer, build_gemma4_processor, build_gemma4_config, Gemma4ForConditionalGeneration),
+    "gemma4_moe": (GemmaTokenizer, build_gemma4_processor, functools.partial(build_gemma4_config, moe=True),
+                   Gemma4ForConditionalGeneration),
 }  # fmt: skip
 # family -> (tokenizer builder, generation config builder), where not Qwen's
 TOKENIZERS = {
     "glm4v": (build_glm_tokenizer, build_glm_generation_config),
     "gemma4": (build_gemma_tokenizer, build_gemma_generation_config),
+    "gemma4_moe": (build_gemma_tokenizer, build_gemma_generation_config),
 }
 
 
@@ -817,15 +826,24 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     make_tokenizer, make_generation_config = TOKENIZERS.get(family, (build_tokenizer, build_generation_config))
-    if family == "gemma4" and (eos_logit or loop_logit or digit_logit):
+    if family.startswith("gemma4") and (eos_logit or loop_logit or digit_logit):
         # its LM head is its embedding (tied), which these edits would change together
-        raise ValueError("gemma4: eos_logit, loop_logit and digit_logit edit the LM head, tied to the embedding")
+        raise ValueError(f"{family}: eos_logit, loop_logit and digit_logit edit the LM head, tied to the embedding")
     tokenizer = make_tokenizer(seed, vocab_size, tokenizer_class, tools)
     processor = make_processor(tokenizer)
     config = make_config(tokenizer)
 
     torch.manual_seed(seed)  # the model's _init_weights draws normal(0, initializer_range) from this
     model = model_class(config).to(torch.float32)
+    if family == "gemma4_moe":
+        # Gemma 4's routers scale their input per dimension and each expert's combine weight (per_expert_scale),
+        # both initialised to ones: drawn here, so that a forward which dropped either, or a sync that missed it,
+        # gives other log-probs (a released checkpoint's are trained)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in model.model.language_model.layers:
+                layer.router.scale.uniform_(0.5, 1.5, generator=g)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5, generator=g)
     if tools:
         with torch.no_grad():
             header_end = tokenizer("<|im_start|>assistant\n")["input_ids"][-1]

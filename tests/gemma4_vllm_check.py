@@ -2,6 +2,8 @@
 engine built in the test process would leave vLLM's CPU worker's changes to that process behind for the tests after it
 (VLLM_DIST_IDENT in os.environ, which the next vLLM a test starts warns of; torch.set_num_threads replaced by a no-op).
 Prints one line of JSON: the max |vLLM - trainer| log-prob of the text and the image prompt before and after the sync.
+The sync sends what vllm_engine.sync_weights sends: transformers' in-memory names, a mixture of experts' experts one
+at a time (moe.stream_experts), after forgetting vLLM's CPU expert kernels (vllm_compat.forget_cpu_moe_kernels).
 
     python tests/gemma4_vllm_check.py MODEL_DIR
 """
@@ -13,7 +15,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import torch  # noqa: E402
 
-from grpo import batching, families, loading, logprobs  # noqa: E402
+from grpo import batching, families, loading, logprobs, moe  # noqa: E402
 
 
 def main(path):
@@ -63,9 +65,18 @@ def main(path):
         return out
 
     before = gaps()
+
+    def weights():
+        for name, p in model.named_parameters():
+            if moe.EXPERT_PARAM.match(name):
+                yield from moe.stream_experts(name, p.detach(), torch.float32)
+            else:
+                yield name, p.detach().clone()
+
+    if families.family(model).moe:
+        llm.apply_model(vllm_compat.forget_cpu_moe_kernels)
     with vllm_compat.torch_cpu_linear(True):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (
-            (name, p.detach().clone()) for name, p in model.named_parameters())})  # fmt: skip
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
     llm.reset_prefix_cache()
     llm.llm_engine.reset_encoder_cache()
     llm.reset_mm_cache()

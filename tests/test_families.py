@@ -105,7 +105,9 @@ def test_linear_attention_restarts_per_sequence(tiny_family_dir):
     assert ((segmentwise - whole_row) * mask)[1:].abs().max() > 1e-3  # the first sequence has nothing before it
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "glm4v", "gemma4", "gemma4_moe"]
+)
 def test_sharded_load_and_export_equal_from_pretrained(tiny_family_dir, tmp_path, family):
     """Guards against the meta-device load of a new family differing from from_pretrained (a parameter read under
     the wrong name, a buffer such as a rotary table left as to_empty's garbage, Qwen3.5's A_log / dt_bias / conv1d
@@ -488,20 +490,24 @@ def _gemma4_batch(processor):
     return prompts, responses
 
 
-@pytest.mark.parametrize("cap", [None, 0.5])
-def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, cap):
+@pytest.mark.parametrize("family, cap", [("gemma4", None), ("gemma4", 0.5), ("gemma4_moe", None)])
+def test_gemma4_padded_logprobs_equal_transformers_forward(tiny_family_dir, family, cap):
     """Guards against the trainer's log-prob head leaving out Gemma 4's final logit soft-capping, or capping the
     log-probs it returns (the model's forward caps whatever its LM head gives), and against the padded batch
     (left-padded prompts, per-layer input embeddings from the ids, the image's soft tokens, a sliding window) giving
     other log-probs than transformers' own forward of each sequence alone: log_softmax of its logits / temperature.
     At the checkpoint's cap (30) and at 0.5, where capping moves every logit. The reference runs transformers' own
     sdpa, with its own sliding-window masks (the packed rows are held to this padded batch in
-    test_gemma4_packed_and_shared_prefixes_equal_padded)."""
+    test_gemma4_packed_and_shared_prefixes_equal_padded). The mixture of experts (26B-A4B's block beside each MLP)
+    loads as an MoE: its experts computed by the experts_implementation the trainer picks for the device (the loop on
+    CPU)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    path = tiny_family_dir("gemma4")
+    path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     model = loading.load_model(path, torch.device("cpu"), "sdpa")
+    if family == "gemma4_moe":
+        assert families.family(model).moe and model.model.language_model.config._experts_implementation == "eager"
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if cap is not None:
         model.config.text_config.final_logit_softcapping = cap
@@ -543,7 +549,8 @@ def _flat_relative(got: dict, want: dict) -> float:
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "varlen_packed"])
 @pytest.mark.parametrize("bidirectional", [None, "vision"])
-def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeypatch, bidirectional,
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeypatch, family, bidirectional,
                                                         attn_implementation):  # fmt: skip
     """Guards against Gemma 4's packed rows attending other than its padded batch does: a sliding-window layer that
     sees past its window (the tiny model's is 32 tokens; its image prompt is 82 and answers run to 40, so windows
@@ -568,7 +575,7 @@ def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeyp
                                  window_size=window_size, enable_gqa=enable_gqa)  # fmt: skip
 
     monkeypatch.setattr(torch.nn.attention.varlen, "varlen_attn", varlen_attn)
-    path = tiny_family_dir("gemma4")
+    path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     # in float64: float32's own rounding moves these gradients by 2e-5 (1.6e-4 from float64's), float64's by 1e-7
     model = loading.load_model(path, torch.device("cpu"), attn_implementation).to(torch.float64)
@@ -610,7 +617,7 @@ def test_gemma4_packed_and_shared_prefixes_equal_padded(tiny_family_dir, monkeyp
         assert grads.keys() == grads_ref.keys() and any("vision_tower" in n for n in grads), name
         relative = _flat_relative(grads, grads_ref)
         assert relative <= 1e-6, (name, relative)  # the head's float32 log-softmax: 1e-7; a wrong mask: 1e-2
-        print(f"gemma4 {bidirectional} {attn_implementation} {name} vs padded: max |dlogp| "
+        print(f"{family} {bidirectional} {attn_implementation} {name} vs padded: max |dlogp| "
               f"{(logp - logp_ref).abs().max():.1e}, gradients {relative:.1e} relative")  # fmt: skip
     if bidirectional:  # the image block moves this batch's log-probs: the comparison above saw it
         assert (results["causal"][0] - logp_ref).abs().max() > 1e-2
@@ -650,7 +657,8 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
     yet: sequence parallelism, tool turns, videos, LoRA in its vision tower. Each stops the dry run in one line naming
     its key, before anything loads; otherwise the dry run plans (the memory plan counts the family) and passes, with
-    either engine, packed or padded."""
+    either engine, packed or padded. Of the mixture of experts: the load-balancing loss and routing replay, whose
+    router hooks are Qwen's (they would find no router, or read Gemma's probabilities as logits)."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -675,6 +683,9 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
             "vision tower",
         ),
     ]
+    moe = (f"actor.model_path={tiny_family_dir('gemma4_moe')}",)
+    for ask in ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"):
+        asks.append(((*moe, ask), "routed experts; Gemma 4's routers (a norm of their own, probabilities out"))
     for overrides, refusal in asks:
         code, out = dry_run(*overrides)
         assert code != 0 and refusal in out, (overrides, out)
@@ -689,23 +700,27 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         assert code == 0 and "memory plan, GiB per GPU" in out and "-> fits" in out, (overrides, out)
 
 
-def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir):
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_gemma4_vllm_logprobs_equal_the_trainers_after_sync(tiny_family_dir, family):
     """What the trainer's vLLM engine would need of vLLM 0.32's gemma4_mm, held before the engine takes the family:
     it loads the tiny model (its vision_config's default_output_length, which transformers' class lacks, sizes its
     encoder budget), takes the trainer's parameters under transformers' in-memory names (tied LM head, per-layer
     embeddings, the tower and its projection; reload_weights, as vllm_engine.sync_weights sends them), and its
     log-probs of its own samples, with the family's vision tokens forbidden, then equal the trainer's padded forward
-    (soft-capped logits, text and image rows, fp32): 1e-4. Before the sync the perturbed trainer is far from it."""
+    (soft-capped logits, text and image rows, fp32): 1e-4. Before the sync the perturbed trainer is far from it.
+    The mixture of experts: its routers (scale, per-expert scale) and experts, sent one expert at a time under the
+    per-expert names vLLM's fused-MoE loader takes, its CPU kernels forgotten first (without that, the reloaded
+    experts were read as if prepacked: 0.54 off)."""
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "tests/gemma4_vllm_check.py", tiny_family_dir("gemma4")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "tests/gemma4_vllm_check.py", tiny_family_dir(family)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gaps = json.loads(proc.stdout.strip().splitlines()[-1])
     before, text, image = gaps["before"], gaps["text"], gaps["image"]
-    print(f"gemma4: vLLM vs trainer after a sync: text {text:.1e}, image {image:.1e}; before it {min(before):.2f}")
+    print(f"{family}: vLLM vs trainer after a sync: text {text:.1e}, image {image:.1e}; before it {min(before):.2f}")
     assert min(before) > 0.1 and text <= 1e-4 and image <= 1e-4, (before, text, image)
 
 
