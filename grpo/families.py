@@ -158,6 +158,11 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
                 "actor.lora_target_modules": "adapters in its vision tower (visual.NAME)",
             }.get(key, key)
             return f"{key}={value}: a {model_type} model cannot train with {what} here yet (docs/families.md)"
+    if "experts" in lora_targets and getattr(text_config, "enable_moe_block", False):
+        # (lora.EXPERT_PARAMS: the adapters go on mlp.experts.*, where Qwen's MoE holds them; Gemma 4's sit beside
+        # the MLP, layers.N.experts.*)
+        return (f"actor.lora_target_modules={list(lora_targets)}: a {model_type} model cannot train with adapters on "
+                "its routed experts here yet (docs/families.md)")  # fmt: skip
     return None
 
 

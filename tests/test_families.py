@@ -686,6 +686,8 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
     moe = (f"actor.model_path={tiny_family_dir('gemma4_moe')}",)
     for ask in ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"):
         asks.append(((*moe, ask), "routed experts; Gemma 4's routers (a norm of their own, probabilities out"))
+    experts = ("actor.lora_rank=8", "actor.lora_target_modules=[q_proj,experts]", "actor.lora_dropout=0")
+    asks.append(((*moe, *experts), "a gemma4 model cannot train with adapters on its routed experts"))
     for overrides, refusal in asks:
         code, out = dry_run(*overrides)
         assert code != 0 and refusal in out, (overrides, out)
