@@ -99,10 +99,11 @@ class ModelShape:
 
     @property
     def mlp_width(self) -> int:
-        """The widest MLP a token goes through in one layer: Gemma 4's double-wide layers', else the active one."""
+        """The widest MLP a token goes through in one layer: Gemma 4's double-wide layers' (and its mixture's top-k
+        experts beside its dense MLP), else the active one."""
         if self.family != "gemma4":
             return self.active_intermediate
-        return max(i for *_, i in gemma_layers(self))
+        return max(i for *_, i in gemma_layers(self)) + self.experts_per_token * self.expert_intermediate
 
     @property
     def largest_table(self) -> int:
@@ -136,6 +137,9 @@ _GEMMA_SMALL = dict(per_layer_hidden=256, per_layer_vocab=262144, vision_depth=1
                     vision_intermediate=3072, vision_head_dim=64, patch=16, temporal_patch=1, merge=3,
                     vision_positions=10240, audio_hidden=1024, audio_layers=12, audio_heads=8, audio_out=1536,
                     audio_conv=5, audio_channels=(128, 32))  # fmt: skip
+# Gemma 4 31B's and 26B-A4B's tower (27 blocks of 1152), no audio tower
+_GEMMA_LARGE_TOWER = dict(vision_depth=27, vision_hidden=1152, vision_intermediate=4304, vision_head_dim=72, patch=16,
+                          temporal_patch=1, merge=3, vision_positions=10240)  # fmt: skip
 KNOWN_SHAPES = {
     "Qwen/Qwen2.5-VL-3B-Instruct": ModelShape(2048, 11008, 36, 16, 2, 151936, tied=True),
     "Qwen/Qwen2.5-VL-7B-Instruct": ModelShape(3584, 18944, 28, 28, 4, 152064, tied=False),
@@ -181,8 +185,13 @@ KNOWN_SHAPES = {
     ),
     "google/gemma-4-31B-it": ModelShape(
         5376, 21504, 60, 32, 16, 262144, tied=True, family="gemma4", head_dim=256, full_layers=tuple(range(5, 60, 6)),
-        global_head_dim=512, global_kv_heads=4, k_eq_v=True, vision_depth=27, vision_hidden=1152,
-        vision_intermediate=4304, vision_head_dim=72, patch=16, temporal_patch=1, merge=3, vision_positions=10240,
+        global_head_dim=512, global_kv_heads=4, k_eq_v=True, **_GEMMA_LARGE_TOWER,
+    ),
+    # the mixture of experts: 128 experts of 704 a layer, top 8, beside a dense MLP of 2112
+    "google/gemma-4-26B-A4B-it": ModelShape(
+        2816, 2112, 30, 16, 8, 262144, tied=True, family="gemma4", head_dim=256, full_layers=tuple(range(5, 30, 6)),
+        global_head_dim=512, global_kv_heads=2, k_eq_v=True, experts=128, experts_per_token=8, expert_intermediate=704,
+        **_GEMMA_LARGE_TOWER,
     ),
 }  # fmt: skip
 
@@ -247,12 +256,10 @@ _GEMMA_AUDIO_DEFAULTS = dict(hidden_size=1024, num_hidden_layers=12, num_attenti
 def _gemma_shape(config: dict) -> ModelShape:
     """Gemma 4's config.json: the hub's names its full layers' head width and KV heads global_head_dim and
     num_global_key_value_heads (the latter read only with attention_k_eq_v, as transformers reads it); transformers
-    5.19 writes them as per_layer_config, each full layer's overrides. Its mixture of experts (26B-A4B) is not
-    counted here."""
+    5.19 writes them as per_layer_config, each full layer's overrides. Its mixture of experts (26B-A4B,
+    enable_moe_block) has routed experts beside each layer's dense MLP."""
     text, vision, audio = config["text_config"], config["vision_config"], config.get("audio_config")
-    if text.get("enable_moe_block"):
-        raise PlanError("a gemma4 mixture of experts (enable_moe_block: Gemma 4 26B-A4B) is not counted by the "
-                        "memory plan, only the dense models (E2B, E4B, 31B; docs/families.md)")  # fmt: skip
+    moe = bool(text.get("enable_moe_block"))  # 26B-A4B: routed experts beside every layer's dense MLP
     layers, kv_heads = text["num_hidden_layers"], text["num_key_value_heads"]
     layer_types = list(text.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "x" for i in
                                                    range(layers)])  # fmt: skip
@@ -305,6 +312,9 @@ def _gemma_shape(config: dict) -> ModelShape:
         audio_out=audio.get("output_proj_dims", 0),
         audio_conv=audio.get("conv_kernel_size", 0),
         audio_channels=tuple(audio.get("subsampling_conv_channels", (0, 0))),
+        experts=text["num_experts"] if moe else 0,
+        experts_per_token=text["top_k_experts"] if moe else 0,
+        expert_intermediate=text["moe_intermediate_size"] if moe else 0,
     )
 
 
@@ -439,13 +449,16 @@ def gemma_layers(s: ModelShape) -> list[tuple[bool, bool, int, int, int]]:
 
 
 def _gemma4_layers(s: ModelShape) -> list[int]:
-    # the linears (q, k, v, o without biases; gate, up, down; the per-layer input's gate and projection), a q RMSNorm
-    # over each head and, but in kv-shared layers, a k one (v's has no weight); four RMSNorm weights around attention
-    # and the MLP, one after the per-layer input (the layer_scalar is a buffer)
+    # the linears (q, k, v, o without biases; gate, up, down; the per-layer input's gate and projection; the MoE
+    # router's projection), a q RMSNorm over each head and, but in kv-shared layers, a k one (v's has no weight); four
+    # RMSNorm weights around attention and the MLP, one after the per-layer input (the layer_scalar is a buffer)
     linears = [sum(a * b for a, b in layer.values()) for layer in decoder_linears(s)]
     norms = [d + (0 if shared else d) + 4 * s.hidden + (s.hidden if s.per_layer_hidden else 0)
              for _, shared, d, _, _ in gemma_layers(s)]  # fmt: skip
-    return [a + b for a, b in zip(linears, norms)]
+    # the mixture: every expert's gate, up and down (two 3-D tensors), the router's scale over the hidden state and
+    # its per-expert scale of the weights, three more RMSNorm weights around the experts
+    moe = 3 * s.experts * s.hidden * s.expert_intermediate + s.hidden + s.experts + 3 * s.hidden if s.experts else 0
+    return [a + b + moe for a, b in zip(linears, norms)]
 
 
 def _gemma4_tower(s: ModelShape) -> int:
@@ -535,7 +548,8 @@ def _gemma4_linears(s: ModelShape, full: bool, shared: bool, d: int, kv: int, i:
             attention["v_proj"] = (h, kv * d)
     attention["o_proj"] = (s.heads * d, h)
     per_layer = {"per_layer_input_gate": (h, p), "per_layer_projection": (p, h)} if p else {}
-    return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), **per_layer}
+    router = {"proj": (h, s.experts)} if s.experts else {}  # (the mixture's router: layers.N.router.proj)
+    return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), **per_layer, **router}
 
 
 def tower_linears(s: ModelShape) -> list[tuple[str, tuple[int, int]]]:

@@ -67,7 +67,7 @@ def test_default_configs_are_valid():
                         ("configs/qwen3_vl_8b_geo3k.yaml", 8), ("configs/qwen3_5_9b_geo3k.yaml", 8),
                         ("configs/qwen3_vl_30b_a3b_geo3k.yaml", 8),
                         ("configs/qwen3_5_35b_a3b_geo3k.yaml", 8), ("configs/glm4v_9b_geo3k.yaml", 8),
-                        ("configs/gemma4_geo3k.yaml", 8)]:  # fmt: skip
+                        ("configs/gemma4_geo3k.yaml", 8), ("configs/gemma4_26b_a4b_geo3k.yaml", 8)]:  # fmt: skip
         check_config(load_config(name), world_size=world)
 
 

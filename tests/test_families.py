@@ -697,7 +697,7 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         "actor.max_tokens_per_micro_batch=0",
         "actor.max_tokens_per_micro_batch_no_grad=0",
     )
-    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", *padded)):
+    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", *padded), (*moe, "rollout.engine=vllm")):
         code, out = dry_run(*overrides)
         assert code == 0 and "memory plan, GiB per GPU" in out and "-> fits" in out, (overrides, out)
 

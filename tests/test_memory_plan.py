@@ -147,6 +147,9 @@ def gemma4_config(s):
         vocab_size_per_layer_input=s.per_layer_vocab or s.vocab,
         layer_types=["full_attention" if i in s.full_layers else "sliding_attention" for i in range(s.layers)],
     )
+    if s.experts:
+        text.update(enable_moe_block=True, num_experts=s.experts, top_k_experts=s.experts_per_token,
+                    moe_intermediate_size=s.expert_intermediate)  # fmt: skip
     vision = dict(
         hidden_size=s.vision_hidden,
         intermediate_size=s.vision_intermediate,
@@ -296,16 +299,27 @@ GEMMA4_CONFIGS = {
                            position_embedding_size=10240, standardize=True, use_clipped_linears=False),
         audio_config=None),
 }  # fmt: skip
+# 26B-A4B: 128 experts of 704 a layer, top 8, beside a dense MLP of 2112; 31B's tower (25.8 B with it; 3.8 B of the
+# language model's a token goes through, as its model card says)
+GEMMA4_CONFIGS["google/gemma-4-26B-A4B-it"] = dict(
+    text_config=dict(hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=256, global_head_dim=512, vocab_size=262144,
+                     vocab_size_per_layer_input=262144, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+                     use_double_wide_mlp=False, attention_k_eq_v=True, num_global_key_value_heads=2,
+                     sliding_window=1024, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                     enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704),
+    vision_config=GEMMA4_CONFIGS["google/gemma-4-31B-it"]["vision_config"], audio_config=None)  # fmt: skip
 GEMMA4_TOTALS = {"google/gemma-4-E2B-it": 5_104_297_504, "google/gemma-4-E4B-it": 7_941_100_832,
-                 "google/gemma-4-31B-it": 31_273_086_512}  # fmt: skip
+                 "google/gemma-4-31B-it": 31_273_086_512, "google/gemma-4-26B-A4B-it": 25_805_933_872}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["tiny", *GEMMA4_CONFIGS])
+@pytest.mark.parametrize("name", ["tiny", "tiny_moe", *GEMMA4_CONFIGS])
 def test_gemma4_count_and_lora_count_equal_transformers(tiny_family_dir, name):
     """Guards against planning Gemma 4 as one width of layer: its sliding and full layers (the full ones' wider
     heads, 31B's own KV heads and no v_proj), the kv-shared layers without k/v projections or norms and E2B's
     double-wide MLP on them, every layer's per-layer-input gate and projection, the root's per-layer embedding table
-    and projection and the audio tower, a tower with learned x/y positions and its projection into the text model.
+    and projection and the audio tower, a tower with learned x/y positions and its projection into the text model;
+    the mixture's routed experts beside each dense MLP, its router's projection and scales, and its extra norms.
     The tiny model's config.json and the published E2B, E4B and 31B configs, built on the meta device, have exactly
     the counted parameters per FSDP2 unit (the largest decoder layer: layers differ), and LoRA on them exactly the
     counted adapters; the hub ids' embedded shapes are those configs'."""
@@ -313,16 +327,18 @@ def test_gemma4_count_and_lora_count_equal_transformers(tiny_family_dir, name):
 
     from grpo import lora
 
-    if name == "tiny":
-        config = Gemma4Config.from_pretrained(tiny_family_dir("gemma4"))
+    tiny = {"tiny": "gemma4", "tiny_moe": "gemma4_moe"}.get(name)
+    if tiny:
+        config = Gemma4Config.from_pretrained(tiny_family_dir(tiny))
     else:
         config = Gemma4Config(**GEMMA4_CONFIGS[name], tie_word_embeddings=True)
     s = shape_from_config(config.to_dict())
-    if name != "tiny":  # what the recipes' dry runs plan with, and the published totals
+    if not tiny:  # what the recipes' dry runs plan with, and the published totals
         assert KNOWN_SHAPES[name] == s and count_params(s)["total"] == GEMMA4_TOTALS[name]
     else:  # the tiny model's file (transformers 5.19 writes per_layer_config, the hub global_head_dim) reads the same
-        with open(f"{tiny_family_dir('gemma4')}/config.json") as f:
+        with open(f"{tiny_family_dir(tiny)}/config.json") as f:
             assert shape_from_config(json.load(f)) == s and s.kv_shared_layers and s.double_wide
+    assert bool(s.experts) == ("moe" in name or "A4B" in name)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     numel = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
@@ -346,14 +362,16 @@ def test_gemma4_count_and_lora_count_equal_transformers(tiny_family_dir, name):
     assert planned["total"] > 0
 
 
-def test_gemma4_mixture_of_experts_is_refused_by_the_plan(tmp_path):
-    """Guards against planning Gemma 4 26B-A4B (enable_moe_block) as a dense model: its experts are not counted,
-    and its config.json stops the plan with a PlanError naming the key."""
-    config = json.loads(json.dumps(GEMMA4_CONFIGS["google/gemma-4-31B-it"]))
-    config["text_config"].update(enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4", **config}))
-    with pytest.raises(PlanError, match="enable_moe_block"):
-        model_shape.read_model_shape(str(tmp_path))
+def test_gemma4_mixture_of_experts_is_planned_with_all_its_experts():
+    """Guards against planning Gemma 4 26B-A4B as its dense sibling or by its active parameters: every expert is
+    stored (sharded states), a token goes through its top 8 beside the dense MLP (activations), and the dry run of
+    its hub id plans offline."""
+    s = model_shape.read_model_shape("google/gemma-4-26B-A4B-it")
+    counts = count_params(s)
+    experts = s.layers * 128 * 3 * s.hidden * 704
+    assert counts["total"] == GEMMA4_TOTALS["google/gemma-4-26B-A4B-it"] and experts > 0.85 * counts["total"]  # (88 %)
+    assert counts["total"] - counts["active"] == s.layers * (128 - 8) * 3 * s.hidden * 704
+    assert s.mlp_width == 2112 + 8 * 704
 
 
 # The published totals, by hand, module by module (shapes as transformers prints Qwen2.5-VL).
@@ -516,10 +534,11 @@ def test_new_family_recipes_fit_one_node(config, model, params):
 @pytest.mark.parametrize(
     "config, model, params, active",
     [("configs/qwen3_vl_30b_a3b_geo3k.yaml", "Qwen/Qwen3-VL-30B-A3B-Instruct", 31_070_754_032, 3_891_664_112),
-     ("configs/qwen3_5_35b_a3b_geo3k.yaml", "Qwen/Qwen3.5-35B-A3B", 35_107_181_936, 3_901_560_176)],
+     ("configs/qwen3_5_35b_a3b_geo3k.yaml", "Qwen/Qwen3.5-35B-A3B", 35_107_181_936, 3_901_560_176),
+     ("configs/gemma4_26b_a4b_geo3k.yaml", "google/gemma-4-26B-A4B-it", 25_805_933_872, 4_395_322_672)],
 )  # fmt: skip
 def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, model, params, active):
-    """Guards against shipping a 30B/35B mixture-of-experts recipe that cannot run on 8 x 80 GB, or that fits only
+    """Guards against shipping a 26B/30B/35B mixture-of-experts recipe that cannot run on 8 x 80 GB, or that fits only
     because the plan counts the active experts where all are stored: the sharded states are those of every
     parameter (bf16 weights and gradients, AdamW's two bf16 moments, a bf16 reference), the moments leave the GPU
     while it generates, the plan fits, and without the recipe's two levers it does not."""
@@ -536,7 +555,7 @@ def test_moe_recipes_fit_one_node_with_bf16_masters_and_adam_offloaded(config, m
     # MoE layer's top-8, one byte an expert up to 128 experts (Qwen3-VL-30B-A3B: 48 layers), two beyond (Qwen3.5: 256)
     assert plan.numbers["routes"] == 0
     replayed = plan_memory(load_config(config, [*NODE, "algorithm.routing_replay=r3"]), 8)
-    layers, width = (48, 1) if "qwen3_vl" in config else (40, 2)
+    layers, width = (48, 1) if "qwen3_vl" in config else (30, 1) if "gemma4" in config else (40, 2)
     assert replayed.numbers["routes"] == 64 * 5 * 4096 * layers * 8 * width
     assert "the routes replayed" in plan_advice.format_plan(replayed)
 
