@@ -3,17 +3,23 @@
 The mismatch metrics (mismatch.py) say that the engine's log-probs and the trainer's differ, not where. The engine
 lives in the trainer's process, so both models can be run on the same prompt + answer with forward hooks on modules
 that compute the same thing, and the first module whose outputs differ beyond the dtype's rounding is where they
-part. What is compared, per module (trainer name -> vLLM 0.26 to 0.33 name, every family alike: vLLM's Qwen VL
-models hold the vision tower as `visual` and the text model as `language_model.model`):
+part. What is compared, per module (trainer name -> vLLM 0.26 to 0.33 name: vLLM's Qwen VL models, and 0.32's
+glm4_1v, hold the vision tower as `visual` and the text model as `language_model.model`; 0.32's gemma4_mm holds
+Gemma 4's tower as `vision_tower`, transformers' own module, and its text model as `language_model.model` too):
 
 - `model.visual.blocks.{i}` -> `visual.blocks.{i}`: each vision block's output, patch by patch. Both sides order the
   patches alike (Qwen2.5-VL's window order, which transformers and vLLM compute the same way, or none); vLLM keeps a
-  batch dim of 1 in the middle, (patches, 1, dim), flattened here.
+  batch dim of 1 in the middle, (patches, 1, dim), flattened here. GLM-4.1V's blocks alike.
+- Gemma 4's `model.vision_tower.encoder.layers.{i}` -> `vision_tower.encoder.layers.{i}`: each encoder layer's output
+  per patch, the padding patches of the processor's fixed-size input included (the same input on both sides).
 - `model.visual.merger` and Qwen3-VL's `model.visual.deepstack_merger_list.{i}` -> `visual.merger`,
   `visual.deepstack_merger_list.{i}`: their merged tokens (before Qwen2.5-VL's reverse window order, on both sides).
+  GLM-4.1V's merger alike (after its downsample). Gemma 4 has no merger: `model.embed_vision` -> `embed_vision`, the
+  projection of the pooled soft tokens into the text model, is compared in its place.
 - `model.language_model.layers.{i}` -> `language_model.model.layers.{i}`: the residual stream after the layer at every
   position of the sequence. vLLM's layers fuse the residual add into the next layer's norm and return
-  (hidden, residual), the stream being their sum; they run the tokens flattened, (tokens, dim), without a batch dim.
+  (hidden, residual), the stream being their sum (Gemma 4's return (stream, None)); they run the tokens flattened,
+  (tokens, dim), without a batch dim.
   (Qwen3-VL's deepstack features are added after the layer on both sides, so neither output holds them.)
 - `model.language_model.layers.{i}.mlp.gate` (the mixtures of experts): the share of tokens whose top-k SET of
   experts differs (routing.py), not a relative difference.
@@ -21,12 +27,15 @@ models hold the vision tower as `visual` and the text model as `language_model.m
   returns (normed, residual)).
 - `lm_head` -> `language_model.logits_processor`: the logits at the sequence's last position, the only one whose
   logits vLLM computes for a one-token request; the trainer's are its head's weight (LoRA merged) times its final
-  norm's output there, as its log-prob forward computes them (logprobs.chunked_logprobs), before the forbidden
-  tokens are taken out on either side.
+  norm's output there, as its log-prob forward computes them (logprobs.chunked_logprobs), soft-capped where the
+  model caps them (Gemma 4: vLLM's logits processor caps them too), before the forbidden tokens are taken out on
+  either side.
 
 Each tensor comparison is per row (a patch, a token): |t - e| / |t| in the L2 norm, its max and mean over the rows.
 A module departs when its max passes NOISE for the coarser of the two dtypes (a router: when more tokens than
-ROUTE_NOISE choose other experts). The first module that departs, in the order the trainer ran them, is named.
+ROUTE_NOISE choose other experts). The first module that departs, in the order the trainer ran them, is named. A
+trainer module without a known vLLM name, or whose vLLM module the engine's model does not have, is left out of the
+report rather than stopping the run that asked for it.
 
 The engine runs the sequence as a one-token request with its prefix and encoder caches emptied first, so every token
 and image goes through every module. Modules vLLM runs inside CUDA graphs or torch.compile record nothing: the
@@ -44,32 +53,52 @@ from grpo.samples import SamplingParams
 
 # Above the largest per-row relative difference that rounding alone gives, by the coarser dtype of the two sides.
 # Measured on the tiny models (docs/algorithm.md, "Where engine and trainer part"): an fp32 engine against the fp32
-# trainer stays below 1.1e-6 in every module; Qwen3.5's bf16 engine on CPU against the fp32 trainer below 9e-3.
+# trainer stays below 1.1e-6 in every module (Gemma 4's decoder layers: 1.2e-5); Qwen3.5's bf16 engine on CPU
+# against the fp32 trainer below 9e-3.
 NOISE = {torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.05}
 # the share of tokens routed to other experts that rounding alone gives: where two experts' logits nearly tie
 ROUTE_NOISE = {torch.float32: 0.02, torch.bfloat16: 0.1, torch.float16: 0.1}
 
 COMPARED = re.compile(
     r"model\.visual\.(blocks\.\d+|merger|deepstack_merger_list\.\d+)|model\.language_model\.(layers\.\d+|norm)"
+    r"|model\.vision_tower\.encoder\.layers\.\d+|model\.embed_vision"  # Gemma 4's tower and soft-token projection
 )
+# trainer prefix -> vLLM prefix
+ENGINE_PREFIXES = (
+    ("model.visual.", "visual."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.embed_vision", "embed_vision"),
+    ("model.language_model.", "language_model.model."),
+)
+# the vision modules: compared only where the prompt has an image or a video (no tower runs on text)
+TOWER = ("model.visual.", "model.vision_tower.", "model.embed_vision")
 
 
 def engine_name(name: str) -> str:
     """The vLLM module that computes what the trainer's module `name` does (see the module docstring)."""
     if name == "lm_head":
         return "language_model.logits_processor"
-    for trainer, engine in (("model.visual.", "visual."), ("model.language_model.", "language_model.model.")):
+    for trainer, engine in ENGINE_PREFIXES:
         if name.startswith(trainer):
             return engine + name[len(trainer) :]
     raise ValueError(f"no engine module known for {name}")
 
 
+def _mapped(name: str) -> bool:
+    try:
+        engine_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 def compared_modules(model) -> dict[str, torch.nn.Module]:
-    """The trainer's modules the report compares, by their names (wrapper prefixes left out), routers included."""
+    """The trainer's modules the report compares, by their names (wrapper prefixes left out), routers included; one
+    without a known engine module is left out (the report must not stop the run that asked for it)."""
     out = {}
     for name, module in model.named_modules():
         name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        if COMPARED.fullmatch(name) or moe.ROUTER.search(name):
+        if (COMPARED.fullmatch(name) or moe.ROUTER.search(name)) and _mapped(name):
             out[name] = module
     return out
 
@@ -89,6 +118,7 @@ def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]
     `lm_head`: the last position's logits."""
     found, order, handles = {}, [], []
     modules = compared_modules(model)
+    softcap = logprobs.logit_softcap(model)  # read here: the log-prob forward sets the config's aside while it runs
 
     def hook(name):
         def record(_module, _args, out):
@@ -101,13 +131,13 @@ def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]
                 if name == "model.language_model.norm":  # the head inside the root's forward, its weight gathered
                     head = logprobs._head_weight(model.lm_head)  # (V, H)
                     logits = _rows(x)[-1:] @ head.detach().float().cpu().T  # (1, V)
-                    found["lm_head"] = [logprobs.soft_capped(logits, logprobs.logit_softcap(model))]
+                    found["lm_head"] = [logprobs.soft_capped(logits, softcap)]
             found.setdefault(name, []).append(_rows(x) if not _is_router(name) else x.detach().cpu())
 
         return record
 
-    if prompt.image_grid_thw is None and prompt.video_grid_thw is None:  # its tower runs a blank image only
-        modules = {name: m for name, m in modules.items() if not name.startswith("model.visual.")}
+    if prompt.pixel_values is None and prompt.pixel_values_videos is None:  # its tower runs a blank image only
+        modules = {name: m for name, m in modules.items() if not name.startswith(TOWER)}
     handles = [m.register_forward_hook(hook(name)) for name, m in modules.items()]
     batch, answer_ids, _ = batching.collate([prompt], [list(answer)], pad_id, model.config.image_token_id)
     try:
@@ -124,10 +154,11 @@ def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]
     return {name: torch.cat(xs) for name, xs in found.items()}, order
 
 
-def engine_outputs(engine, prompt, answer, names: list[str], top_k: int) -> dict:
+def engine_outputs(engine, prompt, answer, names: list[str], top_k: int, absent: list | None = None) -> dict:
     """The engine's outputs of the modules that match the trainer's `names`, over prompt + answer: one request of
     one new token, the prefix and encoder caches emptied first. Every member of a TP group must call it with the same
-    sequence (vLLM's rule); each then records the whole outputs (the compared ones are reduced or replicated)."""
+    sequence (vLLM's rule); each then records the whole outputs (the compared ones are reduced or replicated).
+    `absent`, a list: the names whose module the engine's model does not have are appended to it."""
     found, handles = {}, []
     sequence = with_answer(prompt, list(answer), engine.image_token_id)
 
@@ -153,10 +184,12 @@ def engine_outputs(engine, prompt, answer, names: list[str], top_k: int) -> dict
         # which runs no hooks
         modules = dict(model.named_modules())
         for name in names:
-            module = modules.get(engine_name(name))
+            module = modules.get(engine_name(name)) if _mapped(name) else None
             if module is not None:
                 module.forward = wrap(name, module.forward)
                 handles.append(module)
+            elif absent is not None:
+                absent.append(name)
 
     engine.llm.apply_model(install)  # in this process: the engine's model is this rank's worker's
     try:
@@ -222,7 +255,11 @@ def locate(engine, model, prompt, answer, pad_id: int) -> list[dict]:
     text = model.config.get_text_config()
     top_k = getattr(text, "num_experts_per_tok", 1)
     trainer, order = trainer_outputs(model, prompt, answer, pad_id)
-    engine_out = engine_outputs(engine, prompt, answer, order, top_k)
+    absent = []
+    engine_out = engine_outputs(engine, prompt, answer, order, top_k, absent)
+    # a module the engine's model does not have (another vLLM's layout) is left out, not reported as unknown: the
+    # report must not stop, nor blame eager mode, for a module it cannot map
+    order = [name for name in order if name not in absent]
     dtype = torch.bfloat16 if torch.bfloat16 in (engine.dtype, next(model.parameters()).dtype) else engine.dtype
     if logprobs.compute_device(model).type == "cuda":  # FSDP2 computes in bf16 there (loading.mixed_precision)
         dtype = torch.bfloat16

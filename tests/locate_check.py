@@ -3,9 +3,10 @@ tests/test_mismatch.py.
 
 One process: the engine and the trainer's model (FSDP2, world size 1) as a run builds them, then for each case a weight
 sync whose tensors of that module are scaled on their way to the engine (the trainer keeps its own), and the report
-on an image, a video and a text prompt (locate.report_prompts' synthetic ones). Cases: clean; `layer`: decoder layer
-1's MLP output weight x 3 (a mixture of experts': every expert's); `vision`: the first vision block's MLP x 30 (its
-output linear's weight and bias); `norm`: the final norm's gain x 3; and for a mixture of experts, `router`: decoder
+on an image, a video (where the family takes videos: not GLM-4.1V's nor Gemma 4's) and a text prompt
+(locate.report_prompts' synthetic ones). Cases: clean; `layer`: decoder layer 1's MLP output weight x 3 (a mixture of
+experts': every expert's); `vision`: the first vision block's MLP x 30 (its output linear's weight and bias; Gemma
+4's first encoder layer's); `norm`: the final norm's gain x 3; and for a mixture of experts, `router`: decoder
 layer 1's router with its experts' rows rolled by one, so that every token's top-k set of experts changes (no set of
 2 of 4 experts maps onto itself when each expert e becomes e + 1 mod 4). Each case's sync sends every weight, so the
 next case starts from the trainer's.
@@ -21,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import distributed, locate  # noqa: E402
+from grpo import distributed, families, locate  # noqa: E402
 from grpo.loading import load_policy_and_reference  # noqa: E402
 from grpo.media import set_pixel_range  # noqa: E402
 from grpo.video import set_video_range  # noqa: E402
@@ -45,14 +46,18 @@ def scaled_sync(engine, model, scales):
 
 
 LAYER_1_MLP_OUT = re.compile(r"model\.language_model\.layers\.1\.mlp\.(experts\.\d+\.)?down_proj\.weight")
-VISION_MLP_OUT = re.compile(r"model\.visual\.blocks\.0\.mlp\.(down_proj|linear_fc2)\.(weight|bias)")
+VISION_MLP_OUT = re.compile(
+    r"model\.visual\.blocks\.0\.mlp\.(down_proj|linear_fc2)\.(weight|bias)"
+    r"|model\.vision_tower\.encoder\.layers\.0\.mlp\.down_proj\.linear\.weight"  # Gemma 4's (clippable linear)
+)
 
 
 def cases(model) -> dict:
     names = [name for name, _ in model.named_parameters()]
-    # Qwen3.5's norms multiply by 1 + weight (its tiny model's weights are 0): scale that gain, not the weight
+    # Qwen3.5's norms multiply by 1 + weight (its tiny model's weights are 0): scale that gain, not the weight; the
+    # others' (GLM-4.1V's and Gemma 4's too, on both sides) by the weight itself
     one_plus = model.config.model_type.startswith("qwen3_5")
-    experts = getattr(model.config.get_text_config(), "num_experts", 0)
+    experts = getattr(model.config.get_text_config(), "num_experts", 0) or 0
     # (a mixture's experts reach the engine one expert at a time, under their checkpoint names: moe.stream_experts)
     down = [f"model.language_model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(experts)]
     out = {
@@ -72,9 +77,10 @@ def main():
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_dir)
+    videos = int(families.family_of(model_dir).videos)  # no video prompt for a family that refuses them
     cfg = train_grpo.load_config("configs/tiny.yaml", [
         f"actor.model_path={model_dir}", "data.train_files=", "data.val_files=", "rollout.max_images_per_prompt=1",
-        "rollout.max_videos_per_prompt=1", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+        f"rollout.max_videos_per_prompt={videos}", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
         "data.max_frames=4", f"rollout.cpu_kv_cache_bytes={64 << 20}",
     ])  # fmt: skip
     d = cfg.data

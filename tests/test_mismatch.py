@@ -511,29 +511,50 @@ LOCATED = {
 }
 # a mixture of experts' router, which runs inside its layer and so before the layer's output is compared
 ROUTER_LOCATED = dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1.mlp.gate")
+# the families without videos (no video prompt), and the modules of Gemma 4's tower, under its own names: its first
+# encoder layer, and the projection of its soft tokens into the text model in place of a merger
+NO_VIDEOS = ("glm4v", "gemma4")
+TOWER_NAMES = {"gemma4": {"model.visual.blocks.0": "model.vision_tower.encoder.layers.0"}}
+MERGER = {"gemma4": "model.embed_vision"}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])
+def located_for(family: str) -> dict:
+    """LOCATED (and ROUTER_LOCATED for a mixture of experts) as `family` names its modules, on its prompts."""
+    located = {**LOCATED, "router": ROUTER_LOCATED} if family.endswith("_moe") else LOCATED
+    names = TOWER_NAMES.get(family, {})
+    kinds = ("image", "text") if family in NO_VIDEOS else ("image", "video", "text")
+    return {case: {k: names.get(m, m) for k, m in per.items() if k in kinds} for case, per in located.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "glm4v", "gemma4"])
 def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
     """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
     with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
     MLP x 30, the final norm's gain x 3: corruptions that train on under the guard, a mismatch KL of 0.004-0.006 at
     the first two) the report names that module, as the trainer names it, on every prompt that runs it; a clean
-    engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6; Qwen3.5's
-    bf16 engine on CPU: 1e-2), while the corrupted module departs by five times the bound or more. On the mixture of
-    experts (its layer case: every expert's MLP output), decoder layer 1's router with its experts' rows rolled in the
-    engine only (every token's top-k set changes) is named as that router, before its layer."""
-    from grpo.locate import NOISE
+    engine is `none`, each of its modules within a quarter of the dtype's bound (fp32: rounding of 1e-6, 1.2e-5 in
+    Gemma 4's decoder layers; Qwen3.5's bf16 engine on CPU: 1e-2), while the corrupted module departs by five times
+    the bound or more. On the mixture of experts (its layer case: every expert's MLP output), decoder layer 1's router
+    with its experts' rows rolled in the engine only (every token's top-k set changes) is named as that router, before
+    its layer. GLM-4.1V and Gemma 4 take no videos, so their report has no video prompt; Gemma 4's tower is compared
+    under its own names (vLLM runs transformers' tower there), and its last-position logits soft-capped on both sides
+    (uncapped on the trainer's, its clean logits were 7.7e-5 off). Their decoder layers normalize the MLP's output
+    before adding it, so layer 1's case moves the stream less there (GLM-4.1V 3.5e-2, Gemma 4 5.5e-3), still past
+    five times the bound."""
+    from transformers import AutoConfig
+
+    from grpo.locate import NOISE, TOWER
     from tests.launch import torchrun
 
     out = tmp_path / "locate.json"
     torchrun(1, "tests/locate_check.py", tiny_family_dir(family), str(out))
     result = json.loads(out.read_text())
     bound = NOISE[torch.bfloat16 if family == "qwen3_5" else torch.float32]
-    located = {**LOCATED, "router": ROUTER_LOCATED} if family.endswith("_moe") else LOCATED
+    located = located_for(family)
     assert sorted(result) == sorted(located)
     for case, expected in located.items():
         assert case == "clean" or result[case]["scaled"], case  # the corruption reached a tensor of the family's
+        assert sorted(k for k in result[case] if k != "scaled") == sorted(expected), case  # the prompts it ran
         for kind, module in expected.items():
             report = result[case][kind]
             assert report["first"] == module, (case, kind, report)
@@ -542,8 +563,15 @@ def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, t
                 assert all(r["max"] <= bound / 4 for r in rows.values()), rows
             elif module != "none":
                 assert rows[module]["max"] >= 5 * bound, (case, kind, rows[module])
-    # the vision modules are compared on image and video prompts, with Qwen3-VL's deepstack mergers, and not on text
-    assert "model.visual.merger" in {r["module"] for r in result["clean"]["video"]["rows"]}
-    assert not any(r["module"].startswith("model.visual.") for r in result["clean"]["text"]["rows"])
+    # the vision modules are compared on image and video prompts, with Qwen3-VL's deepstack mergers, and not on text;
+    # every decoder layer, the final norm and the logits on every prompt
+    media = "image" if family in NO_VIDEOS else "video"
+    assert MERGER.get(family, "model.visual.merger") in {r["module"] for r in result["clean"][media]["rows"]}
+    assert not any(r["module"].startswith(TOWER) for r in result["clean"]["text"]["rows"])
+    layers = AutoConfig.from_pretrained(tiny_family_dir(family)).get_text_config().num_hidden_layers
+    for kind in located["clean"]:
+        compared = {r["module"] for r in result["clean"][kind]["rows"]}
+        assert {f"model.language_model.layers.{i}" for i in range(layers)} <= compared, (kind, compared)
+        assert {"model.language_model.norm", "lm_head"} <= compared, (kind, compared)
     if family == "qwen3_vl":
         assert "model.visual.deepstack_merger_list.1" in {r["module"] for r in result["clean"]["image"]["rows"]}
