@@ -21,8 +21,8 @@ Gemma 4's tower as `vision_tower`, transformers' own module, and its text model 
   (hidden, residual), the stream being their sum (Gemma 4's return (stream, None)); they run the tokens flattened,
   (tokens, dim), without a batch dim.
   (Qwen3-VL's deepstack features are added after the layer on both sides, so neither output holds them.)
-- `model.language_model.layers.{i}.mlp.gate` (the mixtures of experts): the share of tokens whose top-k SET of
-  experts differs (routing.py), not a relative difference.
+- `model.language_model.layers.{i}.mlp.gate`, Gemma 4's `.router` (the mixtures of experts): the share of tokens
+  whose top-k SET of experts differs (routing.py), not a relative difference.
 - `model.language_model.norm` -> `language_model.model.norm`: the final norm's output at every position (vLLM's
   returns (normed, residual)).
 - `lm_head` -> `language_model.logits_processor`: the logits at the sequence's last position, the only one whose
@@ -125,7 +125,7 @@ def trainer_outputs(model, prompt, answer, pad_id: int) -> tuple[dict, list[str]
             if name not in found:
                 order.append(name)
             if _is_router(name):
-                x = out[2]  # transformers' TopKRouter: (logits, scores, chosen experts)
+                x = out[2]  # transformers' routers: (logits or probabilities, weights, chosen experts)
             else:
                 x = out[0] if isinstance(out, tuple) else out
                 if name == "model.language_model.norm":  # the head inside the root's forward, its weight gathered
@@ -253,7 +253,7 @@ def locate(engine, model, prompt, answer, pad_id: int) -> list[dict]:
     """compare() of the trainer's and the engine's modules on prompt + answer. Collective: every rank calls it with
     the same sequence (a forward of the FSDP2 model; the engine's TP group submits it together)."""
     text = model.config.get_text_config()
-    top_k = getattr(text, "num_experts_per_tok", 1)
+    top_k = moe.top_k(text) or 1
     trainer, order = trainer_outputs(model, prompt, answer, pad_id)
     absent = []
     engine_out = engine_outputs(engine, prompt, answer, order, top_k, absent)

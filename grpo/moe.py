@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE; Gemma 4's 26B-A4B for its experts, whose routers the hooks
-below do not know yet: families.experts_problem): where their experts lie in a checkpoint, and how they compute.
+"""Mixture-of-experts models (Qwen3-VL-MoE, Qwen3.5-MoE, Gemma 4's 26B-A4B): where their experts lie in a
+checkpoint, how they compute, and their routers (what the load-balancing loss and routing replay hook).
 
 transformers 5 holds a layer's routed experts as two 3-D parameters, `experts.gate_up_proj` (E, 2I, H) and
 `experts.down_proj` (E, H, I), E the number of experts; FSDP2 shards their dim 0, so a rank holds whole experts.
@@ -142,18 +142,26 @@ def experts_implementation(device) -> str:
     return "grouped_mm" if device.type == "cuda" else "eager"
 
 
+def top_k(text_config) -> int:
+    """How many experts each token is routed to (Gemma 4 names it top_k_experts); None for a model without."""
+    return getattr(text_config, "num_experts_per_tok", None) or getattr(text_config, "top_k_experts", None)
+
+
 def describe(model) -> str:
     """One log line: the experts' shape and how they compute."""
     c = model.config.get_text_config()
     impl = model.model.language_model.config._experts_implementation
-    top_k = getattr(c, "num_experts_per_tok", None) or c.top_k_experts  # (Gemma 4 names it top_k_experts)
-    return (f"experts: {c.num_experts} a layer, top-{top_k} routed, intermediate "
+    return (f"experts: {c.num_experts} a layer, top-{top_k(c)} routed, intermediate "
             f"{c.moe_intermediate_size}; forward {impl} (transformers' experts_implementation)")  # fmt: skip
 
 
-# a decoder layer's router: so named in transformers 5 (its forward returns the logits (N, E) first, then the top-k
-# weights and chosen experts) and in vLLM 0.26 to 0.33 (a linear layer returning (logits, bias))
-ROUTER = re.compile(r"layers\.(\d+)\.mlp\.gate$")
+# a decoder layer's router, as transformers 5 and vLLM 0.26 to 0.33 name it. Qwen's `layers.N.mlp.gate`:
+# transformers' TopKRouter returns (logits (N, E), top-k weights, chosen experts), vLLM's is a linear layer returning
+# (logits, bias). Gemma 4's `layers.N.router` (a weightless RMSNorm, times hidden^-0.5 and a learned `scale`, then
+# `proj`): transformers' returns (probabilities (N, E) in fp32, top-k weights times the chosen experts'
+# per_expert_scale, chosen experts), vLLM's the logits alone. vLLM takes the top-k of the logits on both: the same
+# experts as the probabilities' top-k.
+ROUTER = re.compile(r"layers\.(\d+)\.(?:mlp\.gate|router)$")
 
 
 def routers(model) -> list:
@@ -162,11 +170,32 @@ def routers(model) -> list:
     return [found[i] for i in sorted(found)]
 
 
+def probabilities(router, out) -> torch.Tensor:
+    """The softmax over all experts (N, E), fp32, of a transformers router's output `out`: Qwen's router returns its
+    logits, Gemma 4's (the one with a per_expert_scale) the probabilities themselves, which a second softmax would
+    flatten towards uniform."""
+    first = out[0].float()  # (N, E)
+    return first if hasattr(router, "per_expert_scale") else torch.softmax(first, dim=-1)
+
+
+def combine_weights(router, probs: torch.Tensor, chosen: torch.Tensor, dtype) -> torch.Tensor:
+    """The weights (N, k) the router gives the experts `chosen` (N, k), as its own forward computes them for its
+    top-k: their probabilities (N, E) renormalised over the k, times each one's per_expert_scale on Gemma 4; in
+    `dtype`, that of the router's own weights (Qwen's: its logits'; Gemma's: fp32)."""
+    weights = probs.gather(-1, chosen)  # (N, k)
+    weights = weights / weights.sum(-1, keepdim=True)
+    scale = getattr(router, "per_expert_scale", None)  # (E,)
+    if scale is not None:
+        weights = weights * scale[chosen]
+    return weights.to(dtype)
+
+
 class RouterBalance:
     """The routed experts' load-balancing loss of a training forward (actor.router_aux_loss_coef): Switch
     Transformer's (https://arxiv.org/abs/2101.03961, eqs. 4-6) as transformers computes it for these models
     (load_balancing_loss_func): E * sum_e f_e P_e, f_e the share of top-k picks expert e got and P_e its mean router
-    probability, both over every token the forward computed (pads left out) of all layers together.
+    probability, both over every token the forward computed (pads left out) of all layers together. Gemma 4's
+    routers give their probabilities, Qwen's their logits (probabilities): the loss is the same function of them.
 
     Hooks on the routers add up each layer's counts and probabilities while the forward runs, so only (E,) sums are
     kept, never every layer's (tokens, E) logits. Only forwards with gradients count (not the old/reference log-probs
@@ -176,6 +205,7 @@ class RouterBalance:
 
     def __init__(self, model):
         self.num_experts = model.config.get_text_config().num_experts
+        self.top_k = top_k(model.config.get_text_config())
         self.open = False
         model.register_forward_pre_hook(self._start, with_kwargs=True)
         for router in routers(model):
@@ -190,11 +220,11 @@ class RouterBalance:
     def _add(self, router, args, out):
         if not torch.is_grad_enabled():
             return
-        probs = torch.softmax(out[0].float(), dim=-1)  # (N, E)
+        probs = probabilities(router, out)  # (N, E)
         weight = probs.new_ones(len(probs)) if self.mask is None else self.mask.to(probs)  # (N,)
         with torch.no_grad():  # which experts a token picked carries no gradient
-            top = probs.topk(router.top_k, dim=-1).indices.reshape(-1)  # (N k,)
-            counts = probs.new_zeros(self.num_experts).scatter_add_(0, top, weight.repeat_interleave(router.top_k))
+            top = probs.topk(self.top_k, dim=-1).indices.reshape(-1)  # (N k,)
+            counts = probs.new_zeros(self.num_experts).scatter_add_(0, top, weight.repeat_interleave(self.top_k))
         prob_sums = (probs * weight[:, None]).sum(0)  # (E,)
         if self.open:
             self.counts, self.probs, self.rows = self.counts + counts, self.probs + prob_sums, self.rows + weight.sum()

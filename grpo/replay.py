@@ -4,9 +4,10 @@ trainer forward of a sample routes each token to the experts the engine chose fo
 Why: the engine and the trainer compute the routers' logits with other kernels, and where two experts are nearly tied
 a rounding sends the token through other weights (routing.py measures how often). Its log-prob then moves far more
 than the rounding, and the PPO ratio and the mismatch corrections see a policy that did not sample. Replayed, the
-token goes through the experts that sampled it; the combine weights are still the trainer's: a softmax of its own
-router logits over the recorded k experts (Qwen3-VL-MoE's and Qwen3.5-MoE's TopKRouter take the softmax over all
-experts, its top-k, and renormalise over those k: the same numbers), so the router keeps its gradient.
+token goes through the experts that sampled it; the combine weights are still the trainer's, the family's router's
+function of its own probabilities at the recorded k experts (moe.combine_weights: the softmax over all experts,
+renormalised over the k, as Qwen3-VL-MoE's and Qwen3.5-MoE's TopKRouter do for their top-k; Gemma 4's router then
+multiplies each by its expert's per_expert_scale), so the router keeps its gradient.
 
 The record: `Sample.routes`, (prompt + answer tokens, MoE layers, top_k) small integers (int8 up to 128 experts,
 int16 beyond), NO_ROUTE (-1) where the engine recorded none (an answer's last token, which no forward reads before
@@ -57,7 +58,7 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 class RoutingReplay:
     """Forward hooks on every router of a model (moe.routers), installed first so that every other hook sees the
-    replayed choice (moe.RouterBalance reads only the logits: its top-k is the router's own, as transformers'
+    replayed choice (moe.RouterBalance reads only the probabilities: its top-k is the router's own, as transformers'
     load-balancing loss takes it). While `routes` (N, layers, k) is set, layer i's router returns the
     recorded experts of each of its N rows (the forward's tokens, flattened as the MoE block flattens them) with the
     trainer's weights over them; a row with NO_ROUTE keeps the router's own choice. In forwards with gradients it
@@ -70,12 +71,12 @@ class RoutingReplay:
         routers = moe.routers(model)
         self.layers = len(routers)
         for layer, router in enumerate(routers):
-            router.register_forward_hook(lambda m, args, out, layer=layer: self._replay(layer, out), prepend=True)
+            router.register_forward_hook(lambda m, args, out, layer=layer: self._replay(m, layer, out), prepend=True)
 
-    def _replay(self, layer: int, out):
+    def _replay(self, router, layer: int, out):
         if self.routes is None:
             return None
-        logits, _, own = out  # (N, E), (N, k), (N, k)
+        scores, own_weights, own = out  # (N, E) logits (Gemma 4: probabilities), (N, k), (N, k)
         if self.routes.shape != (len(own), self.layers, own.shape[1]):  # another batch's, or another model's
             raise RuntimeError(
                 f"routing replay: routes {tuple(self.routes.shape)} for {self.layers} routers choosing "
@@ -84,15 +85,13 @@ class RoutingReplay:
         recorded = self.routes[:, layer].to(own.device, torch.long)  # (N, k)
         recorded_row = (recorded >= 0).all(-1, keepdim=True)  # (N, 1)
         chosen = torch.where(recorded_row, recorded, own)  # (N, k)
-        probs = torch.softmax(logits.float(), dim=-1)  # (N, E), as the family's router computes them
-        weights = probs.gather(-1, chosen)  # (N, k)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+        weights = moe.combine_weights(router, moe.probabilities(router, out), chosen, own_weights.dtype)  # (N, k)
         if self.counting:
             with torch.no_grad():
                 differ = (own.sort(-1).values != recorded.sort(-1).values).any(-1) & recorded_row[:, 0]  # (N,)
                 self.pairs += int(recorded_row.sum())
                 self.differ += int(differ.sum())
-        return logits, weights, chosen
+        return scores, weights, chosen
 
 
 @contextlib.contextmanager

@@ -8,11 +8,12 @@ whose top-k SET differs between the two, over the same sequences (prompt and sam
 tokens, vision tokens (image and video pads) and the answer's tokens. Routing replay (replay.py) has the trainer
 route each token as the engine did; record_routes reads the engine's routes for it where generate recorded none.
 
-Both sides are read by forward hooks on each decoder layer's router, `layers.{i}.mlp.gate`, a module of that name
-in transformers 5 (Qwen3-VL-MoE's and Qwen3.5-MoE's TopKRouter returns (logits, scores, chosen experts)) and in
-vLLM 0.26 to 0.33 (a replicated linear layer returning (logits, bias), called once a forward; vLLM's Qwen routers
-take the softmax's top-k, i.e. the logits' top-k). Replicated under tensor parallelism: every rank of an engine
-records the whole routing. A measurement tool, not part of the training step: it runs one engine request a sequence.
+Both sides are read by forward hooks on each decoder layer's router (moe.ROUTER: Qwen's `layers.{i}.mlp.gate`,
+Gemma 4's `layers.{i}.router`), a module of that name in transformers 5 (returning (logits or, Gemma's,
+probabilities, combine weights, chosen experts)) and in vLLM 0.26 to 0.33 (called once a forward, returning the
+logits, with a bias for Qwen's linear layer; vLLM's routers take the softmax's top-k, i.e. the logits' top-k).
+Replicated under tensor parallelism: every rank of an engine records the whole routing. A measurement tool, not
+part of the training step: it runs one engine request a sequence.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def agreement(engine, model, prompts, samples, pad_id: int) -> dict:
     prompts[sample.prompt_index]). Collective: every rank of the trainer and of the engine's TP group calls it."""
     chosen = [prompts[s.prompt_index] for s in samples]
     answers = [list(s.response_ids) for s in samples]
-    top_k = model.config.get_text_config().num_experts_per_tok
+    top_k = moe.top_k(model.config.get_text_config())
     sequences = [with_answer(p, a, engine.image_token_id) for p, a in zip(chosen, answers)]
     engine_rows = engine_routing(engine, sequences, top_k)
     trainer_rows, types = trainer_routing(model, chosen, answers, pad_id)
@@ -150,7 +151,7 @@ def record_routes(engine, model, prompts, samples) -> int:
     engine: one forward of it. Collective where generation is: every rank calls it, with or without samples to
     record. Returns how many it recorded."""
     todo = [s for s in samples if s.routes is None]
-    top_k = model.config.get_text_config().num_experts_per_tok
+    top_k = moe.top_k(model.config.get_text_config())
     dtype = replay.route_dtype(model.config.get_text_config().num_experts)
     chosen = [prompts[s.prompt_index] for s in todo]
     inner = getattr(engine, "engine", engine)  # under the tool loop: its engine, for plain one-token requests

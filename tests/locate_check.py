@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
-from grpo import distributed, families, locate  # noqa: E402
+from grpo import distributed, families, locate, moe  # noqa: E402
 from grpo.loading import load_policy_and_reference  # noqa: E402
 from grpo.media import set_pixel_range  # noqa: E402
 from grpo.video import set_video_range  # noqa: E402
@@ -45,7 +45,10 @@ def scaled_sync(engine, model, scales):
         del engine.llm.collective_rpc
 
 
-LAYER_1_MLP_OUT = re.compile(r"model\.language_model\.layers\.1\.mlp\.(experts\.\d+\.)?down_proj\.weight")
+# (Gemma 4's experts sit beside its MLP: layers.1.experts.{e})
+LAYER_1_MLP_OUT = re.compile(
+    r"model\.language_model\.layers\.1\.(mlp\.|mlp\.experts\.\d+\.|experts\.\d+\.)down_proj\.weight"
+)
 VISION_MLP_OUT = re.compile(
     r"model\.visual\.blocks\.0\.mlp\.(down_proj|linear_fc2)\.(weight|bias)"
     r"|model\.vision_tower\.encoder\.layers\.0\.mlp\.down_proj\.linear\.weight"  # Gemma 4's (clippable linear)
@@ -59,7 +62,8 @@ def cases(model) -> dict:
     one_plus = model.config.model_type.startswith("qwen3_5")
     experts = getattr(model.config.get_text_config(), "num_experts", 0) or 0
     # (a mixture's experts reach the engine one expert at a time, under their checkpoint names: moe.stream_experts)
-    down = [f"model.language_model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(experts)]
+    layer_1 = {m["prefix"] for n in names if (m := moe.EXPERT_PARAM.match(n)) and ".layers.1." in n}
+    down = [f"{prefix}.{e}.down_proj.weight" for prefix in layer_1 for e in range(experts)]
     out = {
         "clean": {},
         "layer": {n: lambda t: t * 3 for n in [*names, *down] if LAYER_1_MLP_OUT.fullmatch(n)},
@@ -67,7 +71,8 @@ def cases(model) -> dict:
         "norm": {"model.language_model.norm.weight": (lambda t: (1 + t) * 3 - 1) if one_plus else (lambda t: t * 3)},
     }
     if experts:
-        out["router"] = {"model.language_model.layers.1.mlp.gate.weight": lambda t: t.roll(1, 0)}  # (experts, H)
+        gate = "router.proj" if model.config.model_type == "gemma4" else "mlp.gate"  # moe.ROUTER's, (experts, H)
+        out["router"] = {f"model.language_model.layers.1.{gate}.weight": lambda t: t.roll(1, 0)}
     return out
 
 

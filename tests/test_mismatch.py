@@ -512,21 +512,25 @@ LOCATED = {
 # a mixture of experts' router, which runs inside its layer and so before the layer's output is compared
 ROUTER_LOCATED = dict.fromkeys(("image", "video", "text"), "model.language_model.layers.1.mlp.gate")
 # the families without videos (no video prompt), and the modules of Gemma 4's tower, under its own names: its first
-# encoder layer, and the projection of its soft tokens into the text model in place of a merger
-NO_VIDEOS = ("glm4v", "gemma4")
-TOWER_NAMES = {"gemma4": {"model.visual.blocks.0": "model.vision_tower.encoder.layers.0"}}
-MERGER = {"gemma4": "model.embed_vision"}
+# encoder layer, and the projection of its soft tokens into the text model in place of a merger; and the 26B-A4B's
+# router, beside its layer's MLP
+NO_VIDEOS = ("glm4v", "gemma4", "gemma4_moe")
+TOWER_NAMES = dict.fromkeys(("gemma4", "gemma4_moe"), {"model.visual.blocks.0": "model.vision_tower.encoder.layers.0"})
+MERGER = dict.fromkeys(("gemma4", "gemma4_moe"), "model.embed_vision")
+ROUTER_NAMES = {"gemma4_moe": {ROUTER_LOCATED["text"]: "model.language_model.layers.1.router"}}
 
 
 def located_for(family: str) -> dict:
     """LOCATED (and ROUTER_LOCATED for a mixture of experts) as `family` names its modules, on its prompts."""
     located = {**LOCATED, "router": ROUTER_LOCATED} if family.endswith("_moe") else LOCATED
-    names = TOWER_NAMES.get(family, {})
+    names = {**TOWER_NAMES.get(family, {}), **ROUTER_NAMES.get(family, {})}
     kinds = ("image", "text") if family in NO_VIDEOS else ("image", "video", "text")
     return {case: {k: names.get(m, m) for k, m in per.items() if k in kinds} for case, per in located.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "glm4v", "gemma4"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "glm4v", "gemma4", "gemma4_moe"]
+)
 def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, tmp_path):
     """Guards against a mismatch report that cannot say where the engine and the trainer part, or says it wrongly:
     with one module's weights scaled in the engine only (decoder layer 1's MLP output x 3, the first vision block's
@@ -536,7 +540,8 @@ def test_locate_names_the_module_the_engine_got_wrong(family, tiny_family_dir, t
     Gemma 4's decoder layers; Qwen3.5's bf16 engine on CPU: 1e-2), while the corrupted module departs by five times
     the bound or more. On the mixture of experts (its layer case: every expert's MLP output), decoder layer 1's router
     with its experts' rows rolled in the engine only (every token's top-k set changes) is named as that router, before
-    its layer. GLM-4.1V and Gemma 4 take no videos, so their report has no video prompt; Gemma 4's tower is compared
+    its layer (Gemma 4's `layers.1.router`: its projection's rows rolled). GLM-4.1V and Gemma 4 take no videos, so
+    their report has no video prompt; Gemma 4's tower is compared
     under its own names (vLLM runs transformers' tower there), and its last-position logits soft-capped on both sides
     (uncapped on the trainer's, its clean logits were 7.7e-5 off). Their decoder layers normalize the MLP's output
     before adding it, so layer 1's case moves the stream less there (GLM-4.1V 3.5e-2, Gemma 4 5.5e-3), still past

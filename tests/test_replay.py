@@ -10,14 +10,15 @@ from transformers import AutoProcessor
 
 from grpo import batching, loading, logprobs, moe, replay, routing
 from tests.launch import spawn_ranks
-from tests.test_moe import MOE_FAMILIES
+from tests.test_moe import ROUTED_FAMILIES, routed_batch, router_params
 from tests.test_packing import _mixed_batch
 
 
 def _perturbed_engine(model, scale, seed=0):
     """The engine's routers as a stand-in: the same logits, but the top-k chosen after a small fixed per-expert bias
     (as another kernel's rounding tips near ties), combined as the family's router combines (softmax over the chosen
-    k of the unbiased logits). Returns (chosen per layer, flips per layer), appended per call, and the hooks."""
+    k of the unbiased logits; Gemma 4's, whose router returns the probabilities, then times each chosen expert's
+    per_expert_scale). Returns (chosen per layer, flips per layer), appended per call, and the hooks."""
     g = torch.Generator().manual_seed(seed)
     c = model.config.get_text_config()
     chosen, flips, handles = [], [], []
@@ -26,12 +27,17 @@ def _perturbed_engine(model, scale, seed=0):
         rows, flipped = [], []
 
         def hook(m, args, out, bias=bias, rows=rows, flipped=flipped):
-            logits, _, own = out
-            pick = (logits.float() + bias).topk(m.top_k, dim=-1).indices  # (N, k)
-            w = torch.softmax(logits.float(), -1).gather(-1, pick)
+            first, own_weights, own = out
+            gemma = hasattr(m, "per_expert_scale")
+            logits = first.float().log() if gemma else first.float()  # (N, E), up to a constant per row
+            pick = (logits + bias).topk(own.shape[1], dim=-1).indices  # (N, k)
+            w = torch.softmax(logits, -1).gather(-1, pick)
+            w = w / w.sum(-1, keepdim=True)
+            if gemma:
+                w = w * m.per_expert_scale[pick]
             rows.append(pick)
             flipped.append((pick.sort(-1).values != own.sort(-1).values).any(-1))
-            return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), pick
+            return first, w.to(own_weights.dtype), pick
 
         chosen.append(rows)
         flips.append(flipped)
@@ -45,7 +51,7 @@ def _per_sample(full, mask):
     return [full[i][mask[i].bool()] for i in range(len(mask))]
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ROUTED_FAMILIES)
 def test_replay_closes_the_gap_of_perturbed_engine_routers(tiny_family_dir, family):
     """Guards against a replay that routes some tokens otherwise than the record (layouts that misplace the routes:
     left pads, packed sequences, a shared prompt's routes once for its group; vision tokens), or that combines the
@@ -53,18 +59,23 @@ def test_replay_closes_the_gap_of_perturbed_engine_routers(tiny_family_dir, fami
     bias (a known share of near-tied (token, layer) pairs flips) gives log-probs off the trainer's; replayed, the
     trainer's log-probs equal the engine's as they do where nothing is perturbed (the dense level: the same weights and
     kernels here, gap 0), its routers' choices equal the record token for token, and moe/routing_disagreement is the
-    engine's flip share exactly."""
+    engine's flip share exactly. Gemma 4's router returns probabilities and weighs each expert by its per_expert_scale
+    (the tiny model's drawn away from 1): a replay that took their softmax again or left the scale out would miss the
+    engine's log-probs."""
     path = tiny_family_dir(family)
     processor = AutoProcessor.from_pretrained(path)
     model = loading.load_model(path, torch.device("cpu"), "sdpa")
     pad_id, image_token_id = processor.tokenizer.pad_token_id, model.config.image_token_id
-    prompts, responses = _mixed_batch(processor, image_token_id)
-    prompts = [prompts[0], prompts[0], prompts[1], prompts[2]]  # a group of two answers to one image prompt
+    prompts, responses = routed_batch(family, processor, image_token_id)
+    if len(prompts) == 2:  # Gemma 4's batch: a third answer, for the second answer to the image prompt
+        responses = [*responses, responses[0][::-1]]
+    prompts = [prompts[0], prompts[0], *prompts[1 : len(responses) - 1]]  # two answers to one image prompt: a group
     inputs, response_ids, mask = batching.collate(prompts, responses, pad_id, image_token_id)
     real = inputs["attention_mask"]  # (B, L)
     with torch.no_grad():
         trainer = logprobs.forward_logprobs(model, inputs, response_ids, 1.0)[0] * mask
-        chosen, flips, handles = _perturbed_engine(model, scale=0.05)
+        # (the tiny Gemma 4's router logits lie closer together: a tenth of the bias tips a like share)
+        chosen, flips, handles = _perturbed_engine(model, scale=0.005 if family == "gemma4_moe" else 0.05)
         engine = logprobs.forward_logprobs(model, inputs, response_ids, 1.0)[0] * mask
         for h in handles:
             h.remove()
@@ -100,7 +111,7 @@ def test_replay_closes_the_gap_of_perturbed_engine_routers(tiny_family_dir, fami
         torch.testing.assert_close(logprobs.forward_logprobs(model, inputs, response_ids, 1.0)[0] * mask, trainer)
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ROUTED_FAMILIES)
 def test_gradients_reach_the_router_under_replay(tiny_family_dir, family):
     """Guards against a replay whose combine weights are detached from the router's logits (the router would stop
     learning), or that weighs the experts otherwise than the family's router: replaying the trainer's own routes
@@ -110,7 +121,7 @@ def test_gradients_reach_the_router_under_replay(tiny_family_dir, family):
     processor = AutoProcessor.from_pretrained(path)
     model = loading.load_model(path, torch.device("cpu"), "sdpa")
     image_token_id = model.config.image_token_id
-    prompts, responses = _mixed_batch(processor, image_token_id)
+    prompts, responses = routed_batch(family, processor, image_token_id)
     plain = batching.pack(prompts, responses, image_token_id)
     with torch.no_grad():
         own, _ = routing.trainer_routing(model, prompts, responses, processor.tokenizer.pad_token_id)
@@ -123,8 +134,8 @@ def test_gradients_reach_the_router_under_replay(tiny_family_dir, family):
         logp, _ = logprobs.forward_logprobs(model, inputs, ids, 1.0)
         (logp * mask).sum().backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    routers = [n for n in grads["none"] if moe.ROUTER.search(n.removesuffix(".weight"))]
-    assert len(routers) == model.config.get_text_config().num_hidden_layers
+    routers = router_params(model)  # Qwen's gate; Gemma 4's proj, scale and per_expert_scale
+    assert len(routers) == model.config.get_text_config().num_hidden_layers * (3 if family == "gemma4_moe" else 1)
     for n in grads["none"]:
         torch.testing.assert_close(grads["own"][n], grads["none"][n], rtol=1e-5, atol=1e-6, msg=n)
     for n in routers:
@@ -166,12 +177,14 @@ def test_routes_of_a_generate_call_and_of_a_vllm_completion():
     assert replay.route_dtype(129) == torch.int16 and replay.route_dtype(128) == torch.int8
 
 
-def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_family_dir, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "gemma4_moe"])
+def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_family_dir, monkeypatch, family):
     """Guards against the vLLM capture branch (CUDA: 0.26's V1 runner, or 0.32/0.33 under Model Runner V2) reading
     the routes of another completion or of the wrong length, and against answers assembled outside generate (tool
     turns, carried answers) left without a record: vLLM's own CompletionOutput and RequestOutput (the installed
     version's signature) from a stand-in LLM, each completion's routes filled with its index. And which versions
-    capture: only on CUDA, and 0.32/0.33 (AuxOutputConfig) only under VLLM_USE_V2_MODEL_RUNNER=1."""
+    capture: only on CUDA, and 0.32/0.33 (AuxOutputConfig) only under VLLM_USE_V2_MODEL_RUNNER=1. Gemma 4's text
+    config names its top-k top_k_experts, not num_experts_per_tok."""
     import vllm.config
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -200,7 +213,7 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
                                           outputs=completions, finished=True))  # fmt: skip
             return outs
 
-    processor = AutoProcessor.from_pretrained(tiny_family_dir("qwen3_vl_moe"))
+    processor = AutoProcessor.from_pretrained(tiny_family_dir(family))
     engine = object.__new__(VLLMEngine)
     engine.llm, engine.tokenizer, engine.tp_group, engine.offload, engine.asleep = (
         LLM(),
@@ -220,7 +233,8 @@ def test_vllm_capture_gives_each_sample_its_routes_and_records_the_rest(tiny_fam
         assert (s.routes[:-1] == s.response_ids[0] - 7).all() and (s.routes[-1] == replay.NO_ROUTE).all()
 
     samples[1].routes = samples[2].routes = None  # as a tool turn's or a carried answer's: assembled afterwards
-    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(num_experts_per_tok=k, num_experts=4))
+    top_k = {"top_k_experts" if family == "gemma4_moe" else "num_experts_per_tok": k}
+    config = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(**top_k, num_experts=4))
     tools = types.SimpleNamespace(engine=engine)  # the tool loop's wrapper: plain requests go to its engine
     assert routing.record_routes(tools, types.SimpleNamespace(config=config), prompts, samples) == 2
     assert calls[-2:] == [1, 1]  # one-token requests: prompt + answer prefilled, every token forwarded
