@@ -169,7 +169,7 @@ def refusal(model_type: str, sequence_parallel_size: int = 1, tools=(), max_vide
 def of_config(config) -> Family:
     """The Family of a model's config: its model_type's, with moe=True for Gemma 4's mixture of experts, which the
     dense models' model_type names too (its text config's enable_moe_block puts routed experts beside each layer's
-    MLP). Its routers are not Qwen's (experts_problem)."""
+    MLP)."""
     fam = FAMILIES[config.model_type]
     if getattr(config.get_text_config(), "enable_moe_block", False):
         return replace(fam, moe=True)
@@ -179,13 +179,9 @@ def of_config(config) -> Family:
 def experts_problem(model_type: str, text_config: dict, needs: str) -> str | None:
     """Why a run cannot have what `needs` asks of routed experts on a checkpoint of this model_type and text config
     (config.json's), or None; `needs` is the config key and what it does ("actor.router_aux_loss_coef balances").
-    moe.py's routers are Qwen's (`mlp.gate`, returning logits): Gemma 4's (`router`) return probabilities and scale
-    each expert's weight, which the load-balancing loss and routing replay do not know yet."""
-    if FAMILIES[model_type].moe:
+    Gemma 4's model_type names dense models too: its text config's enable_moe_block says which has experts."""
+    if FAMILIES[model_type].moe or text_config.get("enable_moe_block"):
         return None
-    if text_config.get("enable_moe_block"):
-        return (f"{needs} routed experts; Gemma 4's routers (a norm of their own, probabilities out, a per-expert "
-                "scale on the weights) are not yet ones the trainer hooks (docs/families.md)")  # fmt: skip
     return f"{needs} routed experts; a {model_type} model has none"
 
 

@@ -657,8 +657,8 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
     """Guards against a Gemma 4 run that starts and fails later, or trains wrong, on what the family does not have
     yet: sequence parallelism, tool turns, videos, LoRA in its vision tower. Each stops the dry run in one line naming
     its key, before anything loads; otherwise the dry run plans (the memory plan counts the family) and passes, with
-    either engine, packed or padded. Of the mixture of experts: the load-balancing loss and routing replay, whose
-    router hooks are Qwen's (they would find no router, or read Gemma's probabilities as logits)."""
+    either engine, packed or padded. The load-balancing loss and routing replay are refused on the dense model and
+    plan and pass on the mixture of experts, whose LoRA on its routed experts is refused."""
     import train_grpo
     from scripts.make_synthetic_data import make_geo3k_like
 
@@ -683,9 +683,9 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
             "vision tower",
         ),
     ]
+    for ask in ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"):  # the dense model has no experts
+        asks.append(((ask,), "routed experts; a gemma4 model has none"))
     moe = (f"actor.model_path={tiny_family_dir('gemma4_moe')}",)
-    for ask in ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3"):
-        asks.append(((*moe, ask), "routed experts; Gemma 4's routers (a norm of their own, probabilities out"))
     experts = ("actor.lora_rank=8", "actor.lora_target_modules=[q_proj,experts]", "actor.lora_dropout=0")
     asks.append(((*moe, *experts), "a gemma4 model cannot train with adapters on its routed experts"))
     for overrides, refusal in asks:
@@ -697,7 +697,9 @@ def test_what_gemma4_cannot_do_yet_is_refused_at_the_dry_run(tiny_family_dir, tm
         "actor.max_tokens_per_micro_batch=0",
         "actor.max_tokens_per_micro_batch_no_grad=0",
     )
-    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", *padded), (*moe, "rollout.engine=vllm")):
+    balanced = ("actor.router_aux_loss_coef=1e-3", "algorithm.routing_replay=r3")
+    for overrides in (("rollout.engine=hf",), ("rollout.engine=vllm", *padded), (*moe, "rollout.engine=vllm"),
+                      (*moe, *balanced, "rollout.engine=vllm"), (*moe, *balanced, "rollout.engine=hf")):  # fmt: skip
         code, out = dry_run(*overrides)
         assert code == 0 and "memory plan, GiB per GPU" in out and "-> fits" in out, (overrides, out)
 
