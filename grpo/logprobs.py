@@ -240,12 +240,13 @@ def packed_positions(model, host_ids, image_grid_thw, prompt_lens, group_sizes, 
 def bidirectional_blocks(model, host_types):
     """(L,) each token's image block (a run of image or video tokens, numbered in row order; -1 for text), for a
     model whose sliding-window layers let an image's tokens see each other both ways (Gemma 4's text_config
-    use_bidirectional_attention="vision", whose blocks transformers finds the same way); None for every other."""
+    use_bidirectional_attention="vision"); None for every other. Numbered by transformers' own function, the one its
+    padded forward builds the masks from (transformers 5.17 to 5.19)."""
     if getattr(model.config.get_text_config(), "use_bidirectional_attention", None) != "vision":
         return None
-    vision = (host_types == 1) | (host_types == 2)
-    starts = vision & ~torch.cat([vision.new_zeros(1), vision[:-1]])
-    return torch.where(vision, starts.long().cumsum(0) - 1, -1)
+    from transformers.models.gemma4.modeling_gemma4 import get_block_sequence_ids_for_mask
+
+    return get_block_sequence_ids_for_mask(host_types[None], host_types.device)[0]
 
 
 def _call_with_head(model, inputs, labels, temperature, with_entropy, entropy_grad, logits_to_keep, **extra):
