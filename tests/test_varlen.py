@@ -173,7 +173,8 @@ def _varlen_attn_2_14(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, re
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_kernel_calls_each_torch_versions_signature(monkeypatch, stand_in, causal):
     """Guards against a keyword one supported torch lacks: torch 2.11's varlen_attn has no enable_gqa, so passing it
-    raised TypeError at the first vision-tower call of the first GPU run. attention.varlen_kernel (its own name and
+    raised TypeError at the first vision-tower call of the first GPU run; and a sliding window spelt other than
+    window_size=(W - 1, 0) in either. attention.varlen_kernel (its own name and
     arguments are an interface) must call each version's exact signature and get the right grouped-query result."""
     import torch.nn.attention.varlen
 
@@ -183,8 +184,13 @@ def test_varlen_kernel_calls_each_torch_versions_signature(monkeypatch, stand_in
     cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
     got = attention.varlen_kernel(q, k, v, cu_q, cu_k, 4, 5, causal, 0.3)
     # the grouped heads by hand: query heads 0-1 read key/value head 0, heads 2-3 head 1
-    want = reference_varlen(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), cu_q, cu_k, 4, 5, causal, 0.3)
-    torch.testing.assert_close(got, want)
+    k2, v2 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    torch.testing.assert_close(got, reference_varlen(q, k2, v2, cu_q, cu_k, 4, 5, causal, 0.3))
+    if causal:  # a sliding window (Gemma 4's sliding layers): the last 2 keys of each query, as window_size (1, 0)
+        got = attention.varlen_kernel(q, k, v, cu_q, cu_k, 4, 5, True, 0.3, window=2)
+        want = reference_varlen(q, k2, v2, cu_q, cu_k, 4, 5, True, 0.3, window=2)
+        torch.testing.assert_close(got, want)
+        assert not torch.allclose(got, reference_varlen(q, k2, v2, cu_q, cu_k, 4, 5, True, 0.3))
 
 
 def test_compute_device_is_the_meshs_not_the_offloaded_shards(monkeypatch, tiny_model_dir, tiny_processor):
